@@ -1,0 +1,1 @@
+"""Gradient compressors and their kernels (framework code lives here)."""

@@ -1,0 +1,1 @@
+"""Node-local crossover scheduler: daemon, client and wire protocol."""

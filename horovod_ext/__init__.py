@@ -1,0 +1,1 @@
+"""Glue between crossover and horovod.torch / horovod.tensorflow."""

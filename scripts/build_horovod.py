@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Build (or fetch from cache) a Horovod 0.28.1 wheel that works on today's PyTorch/CMake/TF.
+
+Horovod 0.28.1 is the newest release and its sdist does not compile unmodified on the current
+stack. This script downloads the sdist, applies the small fixes documented in docs/horovod-build.md,
+builds a wheel with the frameworks found in *this* interpreter, caches the wheel under a key made of
+the Python, torch and TensorFlow versions plus the build flags, and installs it.
+
+Run it with the interpreter of the environment that should get Horovod (scripts/setup.sh does).
+Environment:
+  CROSSOVER_CACHE          cache root (default: $XDG_CACHE_HOME/crossover or ~/.cache/crossover)
+  CROSSOVER_REBUILD=1      ignore a cached wheel and build again
+  HOROVOD_WITH_MPI=1 / HOROVOD_GPU_OPERATIONS=NCCL / ...  passed through to Horovod's build
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+HOROVOD_VERSION = "0.28.1"
+
+
+def log(msg: str) -> None:
+    print(f"[build_horovod] {msg}", flush=True)
+
+
+def die(msg: str) -> None:
+    print(f"[build_horovod] ERROR: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def cache_root() -> Path:
+    if os.environ.get("CROSSOVER_CACHE"):
+        return Path(os.environ["CROSSOVER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "crossover"
+
+
+def module_version(name: str) -> str | None:
+    """Version of an importable module, or None; imported in a subprocess to keep this one clean."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    out = subprocess.run(
+        [sys.executable, "-c", f"import {name}; print({name}.__version__)"],
+        capture_output=True, text=True,
+    )
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def build_env(with_tf: bool) -> dict[str, str]:
+    """Horovod build variables: Gloo always; MPI/NCCL only when the user or machine asks for them."""
+    env = dict(os.environ)
+    env.setdefault("HOROVOD_WITH_PYTORCH", "1")
+    env.setdefault("HOROVOD_WITHOUT_MXNET", "1")
+    env.setdefault("HOROVOD_WITH_GLOO", "1")
+    if with_tf:
+        env.setdefault("HOROVOD_WITH_TENSORFLOW", "1")
+    else:
+        env.setdefault("HOROVOD_WITHOUT_TENSORFLOW", "1")
+    if "HOROVOD_WITH_MPI" not in env and "HOROVOD_WITHOUT_MPI" not in env:
+        # Build MPI support only when an MPI compiler wrapper is on PATH.
+        env["HOROVOD_WITH_MPI" if shutil.which("mpicxx") else "HOROVOD_WITHOUT_MPI"] = "1"
+    if "HOROVOD_GPU_OPERATIONS" not in env and "HOROVOD_GPU_ALLREDUCE" not in env:
+        # NCCL only when CUDA and NCCL are both visible; otherwise CPU ops through Gloo.
+        nccl = os.environ.get("HOROVOD_NCCL_HOME") or Path("/usr/include/nccl.h").exists()
+        if shutil.which("nvcc") and nccl and torch_has_cuda():
+            env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+    env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    # Fix 2: CMake >= 4 refuses the cmake_minimum_required(<3.5) in Horovod's bundled gloo.
+    env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
+    env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
+    return env
+
+
+def torch_has_cuda() -> bool:
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+                         capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
+FLAG_KEYS = ("HOROVOD_WITH_MPI", "HOROVOD_WITHOUT_MPI", "HOROVOD_GPU_OPERATIONS",
+             "HOROVOD_GPU_ALLREDUCE", "HOROVOD_WITH_TENSORFLOW", "HOROVOD_CPU_OPERATIONS")
+
+
+def cache_key(torch_v: str | None, tf_v: str | None, env: dict[str, str]) -> str:
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    flags = ",".join(f"{k}={env[k]}" for k in FLAG_KEYS if k in env)
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return f"horovod-{HOROVOD_VERSION}-{py}-torch{torch_v or 'none'}-tf{tf_v or 'none'}-{digest}"
+
+
+def patch_sources(src: Path, with_tf: bool) -> None:
+    """Apply the fixes that make 0.28.1 build on today's stack (see docs/horovod-build.md)."""
+    # Fix 1: PyTorch >= 2.1 headers need C++17; Horovod pins C++14 in two places.
+    for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
+        path = src / rel
+        text = path.read_text()
+        new = text.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)")
+        if new == text:
+            die(f"patch 'C++17' found nothing to change in {rel}: is this Horovod {HOROVOD_VERSION}?")
+        path.write_text(new)
+    # Fix 3: TF 2.21 headers lack what xla_mpi_ops.cc includes; the XLA ops are optional.
+    if with_tf:
+        path = src / "horovod/tensorflow/CMakeLists.txt"
+        text = path.read_text()
+        new = re.sub(r"list\(APPEND TF_SOURCES [^)]*xla_mpi_ops\.cc\"\)\n", "", text)
+        if new == text:
+            die("patch 'drop xla_mpi_ops.cc' found nothing to change")
+        path.write_text(new)
+
+
+def fetch_sdist(dest: Path) -> Path:
+    sdist_dir = cache_root() / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    sdist = sdist_dir / f"horovod-{HOROVOD_VERSION}.tar.gz"
+    if not sdist.exists():
+        log(f"downloading the horovod {HOROVOD_VERSION} sdist")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"horovod=={HOROVOD_VERSION}", "-d", str(sdist_dir)], check=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    return dest / f"horovod-{HOROVOD_VERSION}"
+
+
+def build_wheel(with_tf: bool, env: dict[str, str], out_dir: Path) -> Path:
+    with tempfile.TemporaryDirectory(prefix="horovod-build-") as tmp:
+        src = fetch_sdist(Path(tmp))
+        patch_sources(src, with_tf)
+        log("building the Horovod wheel (takes about 5 minutes on 2 cores, only the first time)")
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                        "-w", str(out_dir), str(src)], check=True, env=env)
+    wheels = sorted(out_dir.glob("horovod-*.whl"))
+    if not wheels:
+        die("pip wheel finished but produced no horovod wheel")
+    return wheels[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--with-tensorflow", action="store_true",
+                        help="build the TensorFlow ops too (TensorFlow must be importable)")
+    parser.add_argument("--rebuild", action="store_true", default=os.environ.get("CROSSOVER_REBUILD") == "1",
+                        help="ignore the cached wheel and build again")
+    args = parser.parse_args()
+
+    torch_v = module_version("torch")
+    if torch_v is None:
+        die("torch is not importable in this environment: install it first (scripts/setup.sh does)")
+    tf_v = module_version("tensorflow") if args.with_tensorflow else None
+    if args.with_tensorflow and tf_v is None:
+        die("--with-tensorflow given but tensorflow is not importable: pip install tensorflow tf-keras")
+
+    env = build_env(args.with_tensorflow)
+    key = cache_key(torch_v, tf_v, env)
+    wheel_dir = cache_root() / "wheels" / key
+    cached = sorted(wheel_dir.glob("horovod-*.whl")) if wheel_dir.exists() else []
+    if cached and not args.rebuild:
+        wheel = cached[0]
+        log(f"using cached wheel {wheel}")
+    else:
+        if wheel_dir.exists():
+            shutil.rmtree(wheel_dir)
+        wheel_dir.mkdir(parents=True)
+        try:
+            wheel = build_wheel(args.with_tensorflow, env, wheel_dir)
+        except BaseException:
+            shutil.rmtree(wheel_dir, ignore_errors=True)  # never leave a half-built cache entry
+            raise
+        log(f"cached wheel {wheel}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", str(wheel)],
+                   check=True)
+    # Horovod's own runtime requirements (installed separately because of --no-deps above).
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cloudpickle", "psutil", "pyyaml",
+                    "packaging"], check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Run real multi-process Horovod jobs from pytest and collect each rank's result.
+
+`run_function(fn, np=2)` runs a module-level function of a test file on every rank under
+`horovodrun -np N -H localhost:N --gloo` (Horovod is initialised first) and returns the JSON-able
+values it returned, ordered by rank. `run_script(path, np=2)` does the same for a script that
+calls `write_result(obj)`. A hang becomes a `HorovodJobError` after `timeout` seconds, carrying
+every rank's output (horovodrun prefixes each line with its rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+RESULT_DIR_ENV = "CROSSOVER_RESULT_DIR"
+WORKER = Path(__file__).with_name("hvd_worker.py")
+REPO = Path(__file__).resolve().parent.parent
+
+
+class HorovodJobError(AssertionError):
+    """A multi-rank job failed, hung or did not report from every rank; the message has all output."""
+
+
+def horovodrun_bin() -> str:
+    exe = Path(sys.executable).with_name("horovodrun")
+    return str(exe) if exe.exists() else "horovodrun"
+
+
+def write_result(obj: Any) -> None:
+    """Called inside a rank: store this rank's JSON result for the harness."""
+    import horovod.torch as hvd
+
+    out = Path(os.environ[RESULT_DIR_ENV]) / f"rank{hvd.rank()}.json"
+    out.write_text(json.dumps(obj))
+
+
+def _run(cmd: Sequence[str], np: int, timeout: float, env: dict[str, str] | None,
+         result_dir: str) -> list[Any]:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env[RESULT_DIR_ENV] = result_dir
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores: no oversubscription
+    launch = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *cmd]
+    proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=str(REPO), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise HorovodJobError(f"Horovod job hung: killed after {timeout:.0f} s.\n"
+                              f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode != 0:
+        raise HorovodJobError(f"Horovod job failed with exit code {proc.returncode}.\n"
+                              f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}")
+    results = []
+    for rank in range(np):
+        path = Path(result_dir) / f"rank{rank}.json"
+        if not path.exists():
+            raise HorovodJobError(f"rank {rank} reported no result.\n--- output ---\n{output}")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def run_function(fn: Callable[..., Any], np: int = 2, args: Sequence[Any] = (),
+                 timeout: float = 120, env: dict[str, str] | None = None) -> list[Any]:
+    """Run module-level `fn(*args)` on `np` Horovod ranks; return each rank's return value."""
+    module_file = sys.modules[fn.__module__].__file__
+    with tempfile.TemporaryDirectory(prefix="xo-hvd-") as tmp:
+        cmd = [sys.executable, str(WORKER), str(module_file), fn.__name__, json.dumps(list(args))]
+        return _run(cmd, np, timeout, env, tmp)
+
+
+def run_script(script: str | os.PathLike[str], np: int = 2, args: Sequence[str] = (),
+               timeout: float = 120, env: dict[str, str] | None = None) -> list[Any]:
+    """Run a Python script on `np` ranks; each rank reports with `write_result`."""
+    with tempfile.TemporaryDirectory(prefix="xo-hvd-") as tmp:
+        return _run([sys.executable, str(script), *args], np, timeout, env, tmp)

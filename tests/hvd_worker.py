@@ -1,0 +1,22 @@
+"""Rank-side entry of hvd_harness.run_function: init Horovod, call the function, write its result."""
+
+import importlib.util
+import json
+import sys
+
+import horovod.torch as hvd
+
+from hvd_harness import write_result
+
+
+def main() -> None:
+    path, name, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    spec = importlib.util.spec_from_file_location("_xo_test_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hvd.init()
+    write_result(getattr(module, name)(*args))
+
+
+if __name__ == "__main__":
+    main()
