@@ -1,8 +1,23 @@
 """crossover: adaptive gradient compression and crossover scheduling for Horovod.
 
-Importing this package is cheap and silent: Horovod and the frameworks are imported only by the
-submodules that need them.
+Importing this package is cheap and silent: Horovod and the frameworks are imported only when a
+name that needs them is first used (`from crossover import AdaptiveCompression`).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["AdaptiveCompression", "FP16Compression", "StaticCompression", "__version__"]
+
+_TORCH_NAMES = {"AdaptiveCompression", "FP16Compression", "StaticCompression"}
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy exports: the horovod.torch glue is imported on first use only."""
+    if name in _TORCH_NAMES:
+        from horovod_ext import torch_compression
+
+        return getattr(torch_compression, name)
+    raise AttributeError(f"module 'crossover' has no attribute {name!r}")

@@ -1,0 +1,265 @@
+/* Hot-path kernels for crossover's gradient compressors (called through ctypes, see kernels.py).
+ *
+ * C99, single-threaded, no allocation: the caller passes every output buffer. The dense loops are
+ * written as blocks of LANES independent accumulators so that gcc -O3 vectorises them with the
+ * baseline instruction set (no -march=native, no -ffast-math): each lane keeps its own double sum,
+ * so no floating-point reassociation is needed. All functions return 0 on success; those taking
+ * indices return -1, having written nothing, when an index is outside [0, n).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8      /* independent accumulators per dense loop */
+#define CHUNK 1024   /* ef_select: elements per L1-resident chunk (a multiple of 32) */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define CTZ32(m) __builtin_ctz(m)
+#else
+static int CTZ32(uint32_t m)
+{
+    int l = 0;
+    while (!(m & 1u)) {
+        m >>= 1;
+        l++;
+    }
+    return l;
+}
+#endif
+
+static const uint32_t BIT[32] = {
+    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
+    1u << 8,  1u << 9,  1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15,
+    1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21, 1u << 22, 1u << 23,
+    1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
+
+static double lanes_total(const double *s)
+{
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* sum of x[i]^2, accumulated in double */
+int cx_sumsq(const float *x, int64_t n, double *out_sumsq)
+{
+    double s[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            double d = x[i + l];
+            s[l] += d * d;
+        }
+    }
+    double t = 0.0;
+    for (; i < n; i++) {
+        double d = x[i];
+        t += d * d;
+    }
+    *out_sumsq = lanes_total(s) + t;
+    return 0;
+}
+
+/* r += g in place; sum of the new r^2 in double */
+int cx_ef_accumulate(const float *g, float *r, int64_t n, double *out_sumsq)
+{
+    double s[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            float a = r[i + l] + g[i + l];
+            r[i + l] = a;
+            double d = a;
+            s[l] += d * d;
+        }
+    }
+    double t = 0.0;
+    for (; i < n; i++) {
+        float a = r[i] + g[i];
+        r[i] = a;
+        double d = a;
+        t += d * d;
+    }
+    *out_sumsq = lanes_total(s) + t;
+    return 0;
+}
+
+/* Error-feedback threshold selection, one pass over the data. acc = g + r (r may be NULL: acc = g).
+ * Elements with |acc| >= thr are picked in index order into oidx/oval while fewer than cap have been
+ * picked; if r is given it ends as 0 where picked and acc elsewhere. counts = {picked, qualifying},
+ * sums = {sum acc^2, sum picked^2}.
+ * The data go through in L1-sized chunks: a vectorised loop writes r = acc and sums acc^2, a second
+ * vectorised loop turns each 32 elements of the (now cached) acc into a bit mask, and a scalar loop
+ * visits only the set bits. */
+int cx_ef_select(const float *g, float *r, int64_t n, float thr, int32_t *oidx, float *oval,
+                 int64_t cap, int64_t *counts, double *sums)
+{
+    uint32_t mask[CHUNK / 32];
+    double s[LANES] = {0};
+    double tail = 0.0, ssel = 0.0;
+    int64_t cnt = 0, q = 0;
+    const float *acc = r ? r : g; /* acc is read back from here once a chunk has been accumulated */
+    for (int64_t b = 0; b < n; b += CHUNK) {
+        const int64_t len = (n - b < CHUNK) ? n - b : CHUNK;
+        const int64_t full = len - len % LANES;
+        /* 1. acc (into r) and sum of squares */
+        if (r) {
+            for (int64_t i = b; i < b + full; i += LANES) {
+                for (int l = 0; l < LANES; l++) {
+                    float a = g[i + l] + r[i + l];
+                    r[i + l] = a;
+                    double d = a;
+                    s[l] += d * d;
+                }
+            }
+            for (int64_t i = b + full; i < b + len; i++) {
+                float a = g[i] + r[i];
+                r[i] = a;
+                tail += (double)a * (double)a;
+            }
+        } else {
+            for (int64_t i = b; i < b + full; i += LANES) {
+                for (int l = 0; l < LANES; l++) {
+                    double d = g[i + l];
+                    s[l] += d * d;
+                }
+            }
+            for (int64_t i = b + full; i < b + len; i++)
+                tail += (double)g[i] * (double)g[i];
+        }
+        /* 2. one bit per element: |acc| >= thr */
+        const float *a = acc + b;
+        const int64_t words = len / 32, rest = len % 32;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t m = 0;
+            for (int l = 0; l < 32; l++)
+                m |= BIT[l] & (0u - (uint32_t)(fabsf(a[32 * w + l]) >= thr));
+            mask[w] = m;
+        }
+        if (rest) {
+            uint32_t m = 0;
+            for (int l = 0; l < rest; l++)
+                m |= BIT[l] & (0u - (uint32_t)(fabsf(a[32 * words + l]) >= thr));
+            mask[words] = m;
+        }
+        /* 3. visit the set bits in index order */
+        const int64_t nwords = words + (rest ? 1 : 0);
+        for (int64_t w = 0; w < nwords; w++) {
+            uint32_t m = mask[w];
+            while (m) {
+                int l = CTZ32(m);
+                m &= m - 1u;
+                int64_t i = b + 32 * w + l;
+                q++;
+                if (cnt < cap) {
+                    float v = acc[i];
+                    oidx[cnt] = (int32_t)i;
+                    oval[cnt] = v;
+                    cnt++;
+                    ssel += (double)v * (double)v;
+                    if (r)
+                        r[i] = 0.0f;
+                }
+            }
+        }
+    }
+    counts[0] = cnt;
+    counts[1] = q;
+    sums[0] = lanes_total(s) + tail;
+    sums[1] = ssel;
+    return 0;
+}
+
+/* 0 when every idx[j] lies in [0, n), -1 otherwise */
+static int check_indices(const int32_t *idx, int64_t k, int64_t n)
+{
+    int bad = 0;
+    for (int64_t j = 0; j < k; j++)
+        bad |= (idx[j] < 0) | ((int64_t)idx[j] >= n);
+    return bad ? -1 : 0;
+}
+
+/* out[j] = src[idx[j]] for all j, then (if zero_src) src[idx[j]] = 0 for all j; sumsq of out */
+int cx_gather_take(float *src, int64_t n, const int32_t *idx, int64_t k, float *out, int zero_src,
+                   double *out_sumsq)
+{
+    if (check_indices(idx, k, n))
+        return -1;
+    double ss = 0.0;
+    for (int64_t j = 0; j < k; j++) {
+        float v = src[idx[j]];
+        out[j] = v;
+        ss += (double)v * (double)v;
+    }
+    if (zero_src) {
+        for (int64_t j = 0; j < k; j++)
+            src[idx[j]] = 0.0f;
+    }
+    *out_sumsq = ss;
+    return 0;
+}
+
+static void scatter_unchecked(float *out, const int32_t *idx, const float *vals, int64_t k,
+                              float scale)
+{
+    if (scale == 1.0f) {
+        for (int64_t j = 0; j < k; j++)
+            out[idx[j]] += vals[j];
+    } else {
+        for (int64_t j = 0; j < k; j++)
+            out[idx[j]] += scale * vals[j];
+    }
+}
+
+/* out[idx[j]] += scale * vals[j]; duplicates accumulate in index order */
+int cx_scatter_add(float *out, int64_t n, const int32_t *idx, const float *vals, int64_t k,
+                   float scale)
+{
+    if (check_indices(idx, k, n))
+        return -1;
+    scatter_unchecked(out, idx, vals, k, scale);
+    return 0;
+}
+
+/* out = 0 everywhere, then out[idx[j]] += scale * vals[j] (decompress into a reused dense buffer) */
+int cx_zero_scatter(float *out, int64_t n, const int32_t *idx, const float *vals, int64_t k,
+                    float scale)
+{
+    if (check_indices(idx, k, n))
+        return -1;
+    memset(out, 0, (size_t)n * sizeof(float));
+    scatter_unchecked(out, idx, vals, k, scale);
+    return 0;
+}
+
+/* out[j] = |g[p] + r[p]| (r may be NULL) at p = floor(j * numel / m), j < m */
+int cx_sample_abs(const float *g, const float *r, int64_t numel, int64_t m, float *out)
+{
+    for (int64_t j = 0; j < m; j++) {
+        int64_t p = (int64_t)(((uint64_t)j * (uint64_t)numel) / (uint64_t)m);
+        float a = r ? g[p] + r[p] : g[p];
+        out[j] = fabsf(a);
+    }
+    return 0;
+}
+
+/* splitmix64 finaliser */
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
+    return z ^ (z >> 31);
+}
+
+/* Stratified random indices: stratum j = [floor(j*numel/k), floor((j+1)*numel/k)), one index per
+ * stratum at offset ((z >> 32) * width) >> 32 with z = mix64(seed + (j+1) * golden). Distinct and
+ * sorted when k <= numel (checked by the caller). */
+int cx_random_indices(int64_t numel, int64_t k, uint64_t seed, int32_t *out)
+{
+    const uint64_t golden = UINT64_C(0x9E3779B97F4A7C15);
+    for (int64_t j = 0; j < k; j++) {
+        uint64_t lo = ((uint64_t)j * (uint64_t)numel) / (uint64_t)k;
+        uint64_t hi = ((uint64_t)(j + 1) * (uint64_t)numel) / (uint64_t)k;
+        uint64_t z = mix64(seed + (uint64_t)(j + 1) * golden);
+        out[j] = (int32_t)(lo + (((z >> 32) * (hi - lo)) >> 32));
+    }
+    return 0;
+}

@@ -1,0 +1,391 @@
+"""Hot-path kernels for the compressors: a tiny C library called through ctypes, with torch fallbacks.
+
+The C source (``_kernels.c``) is compiled on first use with the system C compiler (``$CC``, else
+``cc``, else ``gcc``; ``-O3 -shared -fPIC -std=c99``, deliberately without ``-march=native`` so
+the cached library runs on any machine of the same architecture) into
+``$CROSSOVER_CACHE/kernels/`` (default ``~/.cache/crossover/kernels/``). The file name carries a
+hash of the source, the flags and ``platform.machine()``, and the library is renamed into place
+atomically, so concurrent ranks can build at the same time. ``scripts/setup.sh`` builds it ahead of
+time through :func:`build_kernels`.
+
+Only 1-D contiguous float32 CPU tensors (int32 for indices) go to C; anything else (CUDA, other
+dtypes) and every call when no compiler is available, the build failed, ``use_kernels(False)`` was
+called or ``CROSSOVER_NO_KERNELS=1`` is set (read at each call) runs a pure-torch fallback with the
+same semantics (sums of squares may differ in the last bits: the summation order differs).
+Indices must lie in ``[0, len)``: the C path raises ``IndexError`` otherwise, having written
+nothing; the fallback follows torch indexing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_kernels.c")
+CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99")
+_MAX_NUMEL = 2**31 - 1  # indices are int32
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+_warned = False
+_enabled = True
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_SIGNATURES = {
+    "cx_sumsq": [_P, _I64, ctypes.POINTER(ctypes.c_double)],
+    "cx_ef_accumulate": [_P, _P, _I64, ctypes.POINTER(ctypes.c_double)],
+    "cx_ef_select": [_P, _P, _I64, ctypes.c_float, _P, _P, _I64,
+                     ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)],
+    "cx_gather_take": [_P, _I64, _P, _I64, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_double)],
+    "cx_scatter_add": [_P, _I64, _P, _P, _I64, ctypes.c_float],
+    "cx_zero_scatter": [_P, _I64, _P, _P, _I64, ctypes.c_float],
+    "cx_sample_abs": [_P, _P, _I64, _I64, _P],
+    "cx_random_indices": [_I64, _I64, ctypes.c_uint64, _P],
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Build and load
+# ----------------------------------------------------------------------------------------------
+
+def _warn_once(msg: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("%s; crossover uses its pure-torch kernel fallbacks (slower)", msg)
+
+
+def cache_dir() -> Path:
+    """Directory holding compiled kernel libraries: $CROSSOVER_CACHE/kernels or ~/.cache/crossover/kernels."""
+    root = os.environ.get("CROSSOVER_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "crossover"
+    return base / "kernels"
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def library_path() -> Path:
+    """Where the library for the current source, flags and machine lives (built or not)."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(b"\0" + " ".join(CFLAGS).encode() + b"\0" + platform.machine().encode())
+    return cache_dir() / f"crossover_kernels-{h.hexdigest()[:16]}.so"
+
+
+def build_kernels() -> str | None:
+    """Compile the C kernels into the cache unless already there; return the library path or None."""
+    try:
+        target = library_path()
+    except OSError as e:
+        _warn_once(f"cannot read the kernel source {SOURCE}: {e}")
+        return None
+    if target.is_file():
+        return str(target)
+    cc = _compiler()
+    if cc is None:
+        _warn_once("no C compiler found (cc/gcc; set $CC) to build the crossover kernels")
+        return None
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+        os.close(fd)
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            _warn_once(f"building the crossover kernels failed ({cc}, rc {proc.returncode}): "
+                       f"{proc.stderr.strip()[-2000:]}")
+            return None
+        os.replace(tmp, target)
+        tmp = None
+        return str(target)
+    except (OSError, subprocess.SubprocessError) as e:
+        _warn_once(f"building the crossover kernels failed: {e}")
+        return None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    with _lock:
+        if _lib_tried:
+            return _lib
+        path = build_kernels()
+        if path is not None:
+            try:
+                lib = ctypes.CDLL(path)
+                for name, argtypes in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes = argtypes
+                    fn.restype = ctypes.c_int
+                _lib = lib
+            except (OSError, AttributeError) as e:
+                _warn_once(f"loading the crossover kernels from {path} failed: {e}")
+        _lib_tried = True
+        return _lib
+
+
+def use_kernels(enabled: bool = True) -> None:
+    """Turn the C kernels on or off for this process (off: every call uses the torch fallback)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def _lib_if_enabled() -> ctypes.CDLL | None:
+    if not _enabled or os.environ.get("CROSSOVER_NO_KERNELS", "") not in ("", "0"):
+        return None
+    return _load()
+
+
+def kernels_available() -> bool:
+    """True when the compiled C kernels are loaded and enabled (building them on first call)."""
+    return _lib_if_enabled() is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+def _cpu_contig(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous())
+
+
+def _f32(*ts: torch.Tensor | None) -> bool:
+    return all(_cpu_contig(t, torch.float32) for t in ts)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_1d(**ts: torch.Tensor | None) -> None:
+    for name, t in ts.items():
+        if t is not None and t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+
+
+def _sumsq_torch(x: torch.Tensor) -> float:
+    return float(x.double().pow_(2).sum()) if x.numel() else 0.0
+
+
+def _raise_index(rc: int, what: str) -> None:
+    if rc != 0:
+        raise IndexError(f"{what}: an index is outside [0, len)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float,
+              out_idx: torch.Tensor, out_val: torch.Tensor) -> Tuple[int, int, float, float]:
+    """Pick |grad+residual| >= threshold in index order up to len(out_idx); residual keeps the rest.
+
+    Returns (count_selected, count_qualifying, sumsq_acc, sumsq_selected). With a residual it is
+    updated in place: 0 where selected, grad + residual elsewhere. residual=None: no error feedback.
+    """
+    _check_1d(grad=grad, residual=residual, out_idx=out_idx, out_val=out_val)
+    n, cap = grad.numel(), out_idx.numel()
+    if residual is not None and residual.numel() != n:
+        raise ValueError(f"residual has {residual.numel()} elements, grad {n}")
+    if out_val.numel() < cap:
+        raise ValueError(f"out_val ({out_val.numel()}) is shorter than out_idx ({cap})")
+    if n > _MAX_NUMEL:
+        raise ValueError(f"{n} elements do not fit int32 indices")
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(grad, residual, out_val) and _cpu_contig(out_idx, torch.int32):
+        counts = (ctypes.c_int64 * 2)()
+        sums = (ctypes.c_double * 2)()
+        lib.cx_ef_select(grad.data_ptr(), _ptr(residual), n, threshold, out_idx.data_ptr(),
+                         out_val.data_ptr(), cap, counts, sums)
+        return int(counts[0]), int(counts[1]), float(sums[0]), float(sums[1])
+    acc = grad if residual is None else residual.add_(grad)
+    hits = (acc.abs() >= threshold).nonzero().flatten()
+    sel = hits[:cap]
+    c = sel.numel()
+    vals = acc[sel]
+    out_idx[:c].copy_(sel)
+    out_val[:c].copy_(vals)
+    sumsq_acc = _sumsq_torch(acc)
+    if residual is not None:
+        residual[sel] = 0
+    return c, hits.numel(), sumsq_acc, _sumsq_torch(vals)
+
+
+def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor) -> float:
+    """residual += grad in place; return the sum of squares of the result (double accumulation)."""
+    _check_1d(grad=grad, residual=residual)
+    if residual.numel() != grad.numel():
+        raise ValueError(f"residual has {residual.numel()} elements, grad {grad.numel()}")
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(grad, residual):
+        out = ctypes.c_double()
+        lib.cx_ef_accumulate(grad.data_ptr(), residual.data_ptr(), grad.numel(), ctypes.byref(out))
+        return out.value
+    return _sumsq_torch(residual.add_(grad))
+
+
+def sumsq(x: torch.Tensor) -> float:
+    """Sum of squares of x, accumulated in double."""
+    _check_1d(x=x)
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(x):
+        out = ctypes.c_double()
+        lib.cx_sumsq(x.data_ptr(), x.numel(), ctypes.byref(out))
+        return out.value
+    return _sumsq_torch(x)
+
+
+def gather_take(src: torch.Tensor, idx: torch.Tensor, out_val: torch.Tensor, zero_src: bool) -> float:
+    """out_val[j] = src[idx[j]] (then src[idx[j]] = 0 if zero_src); return the gathered sum of squares."""
+    _check_1d(src=src, idx=idx, out_val=out_val)
+    k = idx.numel()
+    if out_val.numel() < k:
+        raise ValueError(f"out_val ({out_val.numel()}) is shorter than idx ({k})")
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(src, out_val) and _cpu_contig(idx, torch.int32):
+        out = ctypes.c_double()
+        rc = lib.cx_gather_take(src.data_ptr(), src.numel(), idx.data_ptr(), k, out_val.data_ptr(),
+                                int(bool(zero_src)), ctypes.byref(out))
+        _raise_index(rc, "gather_take")
+        return out.value
+    il = idx.long()
+    vals = src[il]
+    out_val[:k].copy_(vals)
+    if zero_src:
+        src.index_fill_(0, il, 0)
+    return _sumsq_torch(vals)
+
+
+def scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: float = 1.0) -> None:
+    """out[idx[j]] += scale * vals[j] in place; duplicate indices add up."""
+    _check_1d(out=out, idx=idx, vals=vals)
+    if vals.numel() != idx.numel():
+        raise ValueError(f"vals has {vals.numel()} elements, idx {idx.numel()}")
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(out, vals) and _cpu_contig(idx, torch.int32):
+        rc = lib.cx_scatter_add(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(),
+                                idx.numel(), scale)
+        _raise_index(rc, "scatter_add")
+        return
+    out.index_add_(0, idx, vals.to(out.dtype), alpha=scale)
+
+
+def zero_scatter(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: float = 1.0) -> None:
+    """out[:] = 0 then out[idx[j]] += scale * vals[j]: sparse decompress into a reused dense buffer."""
+    _check_1d(out=out, idx=idx, vals=vals)
+    if vals.numel() != idx.numel():
+        raise ValueError(f"vals has {vals.numel()} elements, idx {idx.numel()}")
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(out, vals) and _cpu_contig(idx, torch.int32):
+        rc = lib.cx_zero_scatter(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(),
+                                 idx.numel(), scale)
+        _raise_index(rc, "zero_scatter")
+        return
+    out.zero_()
+    out.index_add_(0, idx, vals.to(out.dtype), alpha=scale)
+
+
+def sample_abs(grad: torch.Tensor, residual: torch.Tensor | None, n: int, out: torch.Tensor) -> None:
+    """out[j] = |grad[p] + residual[p]| at p = j * len(grad) // n for j < n (residual may be None)."""
+    _check_1d(grad=grad, residual=residual, out=out)
+    numel = grad.numel()
+    if n < 0 or out.numel() < n:
+        raise ValueError(f"need 0 <= n <= len(out) ({out.numel()}), got n={n}")
+    if residual is not None and residual.numel() != numel:
+        raise ValueError(f"residual has {residual.numel()} elements, grad {numel}")
+    if n == 0:
+        return
+    if numel == 0 or n > _MAX_NUMEL or numel > _MAX_NUMEL:
+        raise ValueError(f"cannot sample {n} positions from {numel} elements")
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(grad, residual, out):
+        lib.cx_sample_abs(grad.data_ptr(), _ptr(residual), numel, n, out.data_ptr())
+        return
+    pos = torch.arange(n, device=grad.device, dtype=torch.int64) * numel // n
+    a = grad[pos] if residual is None else grad[pos] + residual[pos]
+    out[:n].copy_(a.abs_())
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _s64(x: int) -> int:
+    """The int64 with the same bits as the uint64 x (torch has int64, not uint64, arithmetic)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def random_indices(numel: int, k: int, seed: int, out_idx: torch.Tensor) -> None:
+    """Write k sorted distinct pseudo-random indices < numel into out_idx[:k] (stratified splitmix64).
+
+    Stratum j is [j*numel//k, (j+1)*numel//k); its index is lo + ((z >> 32) * width >> 32) with
+    z = splitmix64 finaliser of seed + (j+1) * 0x9E3779B97F4A7C15 (mod 2**64). C and the torch
+    fallback give identical indices for the same (numel, k, seed) on any device.
+    """
+    _check_1d(out_idx=out_idx)
+    if not 0 <= k <= numel:
+        raise ValueError(f"need 0 <= k <= numel, got k={k}, numel={numel}")
+    if numel > _MAX_NUMEL:
+        raise ValueError(f"{numel} elements do not fit int32 indices")
+    if out_idx.numel() < k:
+        raise ValueError(f"out_idx ({out_idx.numel()}) is shorter than k ({k})")
+    if k == 0:
+        return
+    lib = _lib_if_enabled()
+    if lib is not None and _cpu_contig(out_idx, torch.int32):
+        lib.cx_random_indices(numel, k, seed & _MASK64, out_idx.data_ptr())
+        return
+    j = torch.arange(1, k + 1, device=out_idx.device, dtype=torch.int64)
+    z = j * _s64(_GOLDEN) + _s64(seed)
+    z = (z ^ _srl(z, 30)) * _s64(_MIX1)
+    z = (z ^ _srl(z, 27)) * _s64(_MIX2)
+    z = z ^ _srl(z, 31)
+    lo = (j - 1) * numel // k
+    hi = j * numel // k
+    out_idx[:k].copy_(lo + ((_srl(z, 32) * (hi - lo)) >> 32))
+
+
+def threshold_for_density(sample: torch.Tensor, density: float) -> float:
+    """The |value| threshold keeping about density of sample (its round(density*n)-th largest)."""
+    x = sample.reshape(-1)
+    n = x.numel()
+    if n == 0 or density <= 0:
+        return float("inf")
+    k = min(n, max(1, int(round(density * n))))
+    return float(torch.kthvalue(x.abs(), n - k + 1).values)
