@@ -53,11 +53,11 @@ def _run(cmd: Sequence[str], np: int, timeout: float, env: dict[str, str] | None
                             env=full_env, cwd=str(REPO), start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         raise HorovodJobError(f"Horovod job hung: killed after {timeout:.0f} s.\n"
-                              f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}")
+                              f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}") from exc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -5,7 +5,6 @@ import json
 import sys
 
 import horovod.torch as hvd
-
 from hvd_harness import write_result
 
 

@@ -1,7 +1,6 @@
 """AdaptiveCompression / StaticCompression inside real 2-rank Horovod jobs (Gloo, CPU)."""
 
 import torch
-
 from hvd_harness import run_function
 
 N = 50_000  # elements of the test parameter (above min_compress_numel)
@@ -65,7 +64,6 @@ def test_compression_off_equals_dense_exactly():
 
 
 def shared_index_and_fp16_job():
-    import horovod.torch as hvd
 
     from crossover import FP16Compression, StaticCompression
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from hvd_harness import HorovodJobError, run_function
 
 

@@ -1,0 +1,250 @@
+"""Compressor hot-path costs as multiples of one read pass over the gradient, measured in one run.
+
+Every row is the median wall time of --repeat calls (after one warm-up call) divided by the median
+time of a read pass ``g.sum()`` measured in the same process (before and after the other rows), so
+the ratios stay comparable across machines and runs while absolute times drift. Buffers are
+preallocated, as a compressor would keep them between steps. Targets: top-k-class compress +
+decompress at the given density <= 6x a read pass, fp16 compress + decompress <= 2x.
+
+    taskset -c 0 python benchmarks/bench_compressors.py                 # 25 M float32, 1 %
+    python benchmarks/bench_compressors.py --numel 1000000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from crossover.compression import kernels as K  # noqa: E402
+
+TOPK_TARGET = 6.0
+FP16_TARGET = 2.0
+
+
+def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None,
+          warmup: int = 1) -> List[float]:
+    """Wall times (s) of `repeat` calls of fn after `warmup` untimed ones; setup runs untimed before each."""
+    out = []
+    for i in range(warmup + repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=25_000_000, help="gradient elements (float32)")
+    ap.add_argument("--density", type=float, default=0.01, help="fraction of elements kept by sparsifiers")
+    ap.add_argument("--repeat", type=int, default=9, help="timed calls per row (median reported)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--sample", type=float, default=0.001,
+                    help="fraction of elements sampled to estimate the top-k threshold")
+    ap.add_argument("--no-fallback", action="store_true", help="skip the (slow) pure-torch fallback rows")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n, rep = args.numel, args.repeat
+    k = max(1, int(round(args.density * n)))
+    m = max(1, int(round(args.sample * n)))
+    cap = 2 * k  # room for the threshold estimate overshooting
+
+    have_c = K.kernels_available()
+    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+    print(f"machine: {cpu_name()} ({platform.machine()}), torch {torch.__version__}, "
+          f"torch threads {torch.get_num_threads()}, python {platform.python_version()}")
+    print(f"numel {n:,}  density {args.density}  (k = {k:,})  threshold sample {m:,}  repeat {rep}  "
+          f"C kernels: {'yes' if have_c else 'NO (fallbacks only)'}")
+
+    g = torch.randn(n)
+    r0 = torch.randn(n) * 0.5  # an error-feedback residual of the gradient's order of magnitude
+    residual = r0.clone()
+    half = torch.empty(n, dtype=torch.float16)
+    dense = torch.empty(n)
+    sbuf = torch.empty(m)
+    oi = torch.empty(cap, dtype=torch.int32)
+    ov = torch.empty(cap)
+    ri = torch.empty(k, dtype=torch.int32)
+    rv = torch.empty(k)
+    dense.zero_()
+    half.zero_()
+    oi.zero_()
+    ov.zero_()
+
+    def restore() -> None:
+        residual.copy_(r0)
+
+    read_samples = timed(lambda: g.sum(), 2 * rep)
+    rows: List[Dict] = []
+
+    def row(name: str, samples: List[float], group: str, target: float | None = None,
+            note: str = "") -> None:
+        rows.append({"name": name, "ms": 1e3 * statistics.median(samples), "group": group,
+                     "target": target, "note": note})
+
+    # fp16: cast into a preallocated half buffer and back.
+    row("fp16 compress (float32 -> half, preallocated)", timed(lambda: half.copy_(g), rep), "fp16")
+    row("fp16 decompress (half -> float32)", timed(lambda: dense.copy_(half), rep), "fp16")
+    row("fp16 compress + decompress", timed(lambda: (half.copy_(g), dense.copy_(half)), rep), "fp16",
+        FP16_TARGET)
+
+    # torch.topk baseline: once, it is slow.
+    t0 = time.perf_counter()
+    torch.topk(g.abs(), k, sorted=False)
+    row(f"torch.topk(g.abs(), {k:,}) baseline (1 call)", [time.perf_counter() - t0], "baseline")
+
+    def run_impl(impl: str) -> None:
+        """All sparsifier rows with the C kernels (impl "C") or the torch fallbacks."""
+        K.use_kernels(impl == "C")
+        sfx = f" [{impl}]"
+        for ef in (False, True):  # top-k class, without and with error feedback
+            res = residual if ef else None
+            setup = restore if ef else None
+            state = {"c": 0}
+
+            def compress(res=res, state=state) -> None:
+                K.sample_abs(g, res, m, sbuf)
+                thr = K.threshold_for_density(sbuf, args.density)
+                state["c"] = K.ef_select(g, res, thr, oi, ov)[0]
+
+            def decompress(state=state) -> None:
+                c = state["c"]
+                dense.zero_()
+                K.scatter_add(dense, oi[:c], ov[:c])
+
+            def decompress_fused(state=state) -> None:
+                c = state["c"]
+                K.zero_scatter(dense, oi[:c], ov[:c])
+
+            def both(compress=compress, decompress=decompress) -> None:
+                compress()
+                decompress()
+
+            def both_fused(compress=compress, decompress_fused=decompress_fused) -> None:
+                compress()
+                decompress_fused()
+
+            tag = "top-k class" + (" + EF" if ef else "")
+            row(f"{tag} compress: sample_abs + threshold + ef_select{sfx}", timed(compress, rep, setup),
+                "topk")
+            row(f"{tag} decompress: zero_ + scatter_add{sfx}", timed(decompress, rep), "topk")
+            row(f"{tag} decompress: zero_scatter (one call){sfx}", timed(decompress_fused, rep), "topk")
+            row(f"{tag} compress + decompress (zero_ + scatter_add){sfx}", timed(both, rep, setup), "topk",
+                TOPK_TARGET, note=f"selected {state['c']:,} = {state['c'] / n:.3%}")
+            row(f"{tag} compress + decompress (zero_scatter){sfx}", timed(both_fused, rep, setup), "topk",
+                TOPK_TARGET)
+
+        def threshold_only() -> None:
+            K.sample_abs(g, None, m, sbuf)
+            K.threshold_for_density(sbuf, args.density)
+
+        row(f"sample_abs {m:,} + threshold_for_density{sfx}", timed(threshold_only, rep), "parts")
+        row(f"ef_accumulate (residual += g, sumsq){sfx}",
+            timed(lambda: K.ef_accumulate(g, residual), rep, restore), "parts")
+        row(f"sumsq{sfx}", timed(lambda: K.sumsq(g), rep), "parts")
+
+        seed = [0]  # random-k: the indices are shared through the seed, only values travel
+
+        def rk_compress() -> None:
+            seed[0] += 1
+            K.random_indices(n, k, seed[0], ri)
+            K.gather_take(g, ri, rv, False)
+
+        def rk_ef_compress() -> None:
+            seed[0] += 1
+            K.random_indices(n, k, seed[0], ri)
+            K.ef_accumulate(g, residual)
+            K.gather_take(residual, ri, rv, True)
+
+        def rk_decompress() -> None:
+            dense.zero_()
+            K.scatter_add(dense, ri, rv)
+
+        def rk_both() -> None:
+            rk_compress()
+            rk_decompress()
+
+        def rk_ef_both() -> None:
+            rk_ef_compress()
+            rk_decompress()
+
+        row(f"random-k compress: random_indices + gather_take{sfx}", timed(rk_compress, rep), "randk")
+        row(f"random-k decompress: zero_ + scatter_add{sfx}", timed(rk_decompress, rep), "randk")
+        row(f"random-k compress + decompress{sfx}", timed(rk_both, rep), "randk")
+        row(f"random-k + EF (ef_accumulate + zeroing gather_take) + decompress{sfx}",
+            timed(rk_ef_both, rep, restore), "randk")
+
+    if have_c:
+        run_impl("C")
+    if not args.no_fallback:
+        run_impl("torch fallback")
+    K.use_kernels(True)
+
+    read_samples += timed(lambda: g.sum(), 2 * rep)
+    read_ms = 1e3 * statistics.median(read_samples)
+    half_n = len(read_samples) // 2
+    read_before = 1e3 * statistics.median(read_samples[:half_n])
+    read_after = 1e3 * statistics.median(read_samples[half_n:])
+
+    print(f"\nread pass g.sum(): {read_ms:.2f} ms (median of {len(read_samples)}; "
+          f"{read_before:.2f} ms before the rows, {read_after:.2f} ms after)\n")
+    w = max(len(r["name"]) for r in rows)
+    print(f"{'operation':<{w}}  {'ms':>9}  {'x read':>7}  check")
+    print("-" * (w + 30))
+    for r in rows:
+        r["ratio"] = r["ms"] / read_ms
+        check = ""
+        if r["target"] is not None:
+            r["pass"] = r["ratio"] <= r["target"]
+            check = f"{'PASS' if r['pass'] else 'FAIL'} (<= {r['target']:g}x)"
+        if r["note"]:
+            check = f"{check}  {r['note']}".strip()
+        print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['ratio']:7.2f}  {check}")
+    targets = [r for r in rows if r["target"] is not None and "fallback" not in r["name"]]
+    ok = all(r["pass"] for r in targets)
+    failed = [r["name"] for r in targets if not r["pass"]]
+    print(f"\ntargets (C kernels and fp16): {'PASS' if ok and targets else 'FAIL'}"
+          + ("" if not failed else f"; over target: {'; '.join(failed)}"))
+
+    if args.json:
+        out = {"command": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "cpu": cpu_name(), "machine": platform.machine(), "numel": n, "density": args.density,
+               "k": k, "sample": m, "repeat": rep, "c_kernels": have_c, "read_pass_ms": read_ms,
+               "read_pass_ms_before": read_before, "read_pass_ms_after": read_after,
+               "rows": rows, "targets_pass": ok}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
