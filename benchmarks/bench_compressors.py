@@ -1,8 +1,8 @@
 """Compressor hot-path costs as multiples of one read pass over the gradient, measured in one run.
 
 Every row is the median wall time of --repeat calls (after one warm-up call) divided by the median
-time of a read pass ``g.sum()`` measured in the same process (before and after the other rows), so
-the ratios stay comparable across machines and runs while absolute times drift. Buffers are
+time of a read pass ``g.sum()`` timed right before each of those calls, so the ratios stay
+comparable across machines and runs while absolute times drift. Buffers are
 preallocated, as a compressor would keep them between steps. Targets: top-k-class compress +
 decompress at the given density <= 6x a read pass, fp16 compress + decompress <= 2x.
 
@@ -20,7 +20,7 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -32,19 +32,27 @@ TOPK_TARGET = 6.0
 FP16_TARGET = 2.0
 
 
-def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None,
-          warmup: int = 1) -> List[float]:
-    """Wall times (s) of `repeat` calls of fn after `warmup` untimed ones; setup runs untimed before each."""
-    out = []
+def timed(fn: Callable[[], object], read: Callable[[], object], repeat: int,
+          setup: Callable[[], object] | None = None, warmup: int = 1) -> Tuple[List[float], List[float]]:
+    """Wall times (s) of `repeat` calls of fn, each right after a timed read pass, after `warmup` rounds.
+
+    setup (untimed) runs before each call of fn. Interleaving the reference with the operation keeps
+    each row's ratio meaningful when the machine's speed drifts during the run.
+    """
+    ops, reads = [], []
     for i in range(warmup + repeat):
+        t0 = time.perf_counter()
+        read()
+        t1 = time.perf_counter()
         if setup is not None:
             setup()
-        t0 = time.perf_counter()
+        t2 = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
         if i >= warmup:
-            out.append(dt)
-    return out
+            reads.append(t1 - t0)
+            ops.append(t3 - t2)
+    return ops, reads
 
 
 def cpu_name() -> str:
@@ -102,24 +110,31 @@ def main(argv: List[str] | None = None) -> int:
     def restore() -> None:
         residual.copy_(r0)
 
-    read_samples = timed(lambda: g.sum(), 2 * rep)
+    def read() -> None:
+        g.sum()
+
     rows: List[Dict] = []
 
-    def row(name: str, samples: List[float], group: str, target: float | None = None,
-            note: str = "") -> None:
-        rows.append({"name": name, "ms": 1e3 * statistics.median(samples), "group": group,
-                     "target": target, "note": note})
+    def row(name: str, fn: Callable[[], object], group: str, setup: Callable[[], object] | None = None,
+            target: float | None = None, note: Callable[[], str] | None = None, repeat: int = rep,
+            warmup: int = 1) -> None:
+        ops, reads = timed(fn, read, repeat, setup, warmup)
+        ms, read_ms = 1e3 * statistics.median(ops), 1e3 * statistics.median(reads)
+        rows.append({"name": name, "group": group, "ms": ms, "ms_min": 1e3 * min(ops), "read_ms": read_ms,
+                     "ratio": ms / read_ms, "target": target, "note": note() if note else ""})
 
     # fp16: cast into a preallocated half buffer and back.
-    row("fp16 compress (float32 -> half, preallocated)", timed(lambda: half.copy_(g), rep), "fp16")
-    row("fp16 decompress (half -> float32)", timed(lambda: dense.copy_(half), rep), "fp16")
-    row("fp16 compress + decompress", timed(lambda: (half.copy_(g), dense.copy_(half)), rep), "fp16",
-        FP16_TARGET)
+    def fp16_both() -> None:
+        half.copy_(g)
+        dense.copy_(half)
 
-    # torch.topk baseline: once, it is slow.
-    t0 = time.perf_counter()
-    torch.topk(g.abs(), k, sorted=False)
-    row(f"torch.topk(g.abs(), {k:,}) baseline (1 call)", [time.perf_counter() - t0], "baseline")
+    row("fp16 compress (float32 -> half, preallocated)", lambda: half.copy_(g), "fp16")
+    row("fp16 decompress (half -> float32)", lambda: dense.copy_(half), "fp16")
+    row("fp16 compress + decompress", fp16_both, "fp16", target=FP16_TARGET)
+
+    # torch.topk baseline: one call, it is slow.
+    row(f"torch.topk(g.abs(), {k:,}) baseline (1 call)", lambda: torch.topk(g.abs(), k, sorted=False),
+        "baseline", repeat=1, warmup=0)
 
     def run_impl(impl: str) -> None:
         """All sparsifier rows with the C kernels (impl "C") or the torch fallbacks."""
@@ -153,23 +168,22 @@ def main(argv: List[str] | None = None) -> int:
                 decompress_fused()
 
             tag = "top-k class" + (" + EF" if ef else "")
-            row(f"{tag} compress: sample_abs + threshold + ef_select{sfx}", timed(compress, rep, setup),
-                "topk")
-            row(f"{tag} decompress: zero_ + scatter_add{sfx}", timed(decompress, rep), "topk")
-            row(f"{tag} decompress: zero_scatter (one call){sfx}", timed(decompress_fused, rep), "topk")
-            row(f"{tag} compress + decompress (zero_ + scatter_add){sfx}", timed(both, rep, setup), "topk",
-                TOPK_TARGET, note=f"selected {state['c']:,} = {state['c'] / n:.3%}")
-            row(f"{tag} compress + decompress (zero_scatter){sfx}", timed(both_fused, rep, setup), "topk",
-                TOPK_TARGET)
+            row(f"{tag} compress: sample_abs + threshold + ef_select{sfx}", compress, "topk", setup)
+            row(f"{tag} decompress: zero_ + scatter_add{sfx}", decompress, "topk")
+            row(f"{tag} decompress: zero_scatter (one call){sfx}", decompress_fused, "topk")
+            row(f"{tag} compress + decompress (zero_ + scatter_add){sfx}", both, "topk", setup,
+                target=TOPK_TARGET, note=lambda state=state: f"selected {state['c']:,} = {state['c'] / n:.3%}")
+            row(f"{tag} compress + decompress (zero_scatter){sfx}", both_fused, "topk", setup,
+                target=TOPK_TARGET)
 
         def threshold_only() -> None:
             K.sample_abs(g, None, m, sbuf)
             K.threshold_for_density(sbuf, args.density)
 
-        row(f"sample_abs {m:,} + threshold_for_density{sfx}", timed(threshold_only, rep), "parts")
-        row(f"ef_accumulate (residual += g, sumsq){sfx}",
-            timed(lambda: K.ef_accumulate(g, residual), rep, restore), "parts")
-        row(f"sumsq{sfx}", timed(lambda: K.sumsq(g), rep), "parts")
+        row(f"sample_abs {m:,} + threshold_for_density{sfx}", threshold_only, "parts")
+        row(f"ef_accumulate (residual += g, sumsq){sfx}", lambda: K.ef_accumulate(g, residual), "parts",
+            restore)
+        row(f"sumsq{sfx}", lambda: K.sumsq(g), "parts")
 
         seed = [0]  # random-k: the indices are shared through the seed, only values travel
 
@@ -196,11 +210,11 @@ def main(argv: List[str] | None = None) -> int:
             rk_ef_compress()
             rk_decompress()
 
-        row(f"random-k compress: random_indices + gather_take{sfx}", timed(rk_compress, rep), "randk")
-        row(f"random-k decompress: zero_ + scatter_add{sfx}", timed(rk_decompress, rep), "randk")
-        row(f"random-k compress + decompress{sfx}", timed(rk_both, rep), "randk")
-        row(f"random-k + EF (ef_accumulate + zeroing gather_take) + decompress{sfx}",
-            timed(rk_ef_both, rep, restore), "randk")
+        row(f"random-k compress: random_indices + gather_take{sfx}", rk_compress, "randk")
+        row(f"random-k decompress: zero_ + scatter_add{sfx}", rk_decompress, "randk")
+        row(f"random-k compress + decompress{sfx}", rk_both, "randk")
+        row(f"random-k + EF (ef_accumulate + zeroing gather_take) + decompress{sfx}", rk_ef_both, "randk",
+            restore)
 
     if have_c:
         run_impl("C")
@@ -208,26 +222,22 @@ def main(argv: List[str] | None = None) -> int:
         run_impl("torch fallback")
     K.use_kernels(True)
 
-    read_samples += timed(lambda: g.sum(), 2 * rep)
-    read_ms = 1e3 * statistics.median(read_samples)
-    half_n = len(read_samples) // 2
-    read_before = 1e3 * statistics.median(read_samples[:half_n])
-    read_after = 1e3 * statistics.median(read_samples[half_n:])
-
-    print(f"\nread pass g.sum(): {read_ms:.2f} ms (median of {len(read_samples)}; "
-          f"{read_before:.2f} ms before the rows, {read_after:.2f} ms after)\n")
+    read_all = [r["read_ms"] for r in rows]
+    read_ms = statistics.median(read_all)
+    print(f"\nread pass g.sum(): median {read_ms:.2f} ms over the rows (per-row medians from "
+          f"{min(read_all):.2f} to {max(read_all):.2f} ms); each ratio below divides the row's median by "
+          f"the median of the read passes interleaved with it\n")
     w = max(len(r["name"]) for r in rows)
-    print(f"{'operation':<{w}}  {'ms':>9}  {'x read':>7}  check")
-    print("-" * (w + 30))
+    print(f"{'operation':<{w}}  {'ms':>9}  {'read ms':>7}  {'x read':>7}  check")
+    print("-" * (w + 40))
     for r in rows:
-        r["ratio"] = r["ms"] / read_ms
         check = ""
         if r["target"] is not None:
             r["pass"] = r["ratio"] <= r["target"]
             check = f"{'PASS' if r['pass'] else 'FAIL'} (<= {r['target']:g}x)"
         if r["note"]:
             check = f"{check}  {r['note']}".strip()
-        print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['ratio']:7.2f}  {check}")
+        print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['read_ms']:7.2f}  {r['ratio']:7.2f}  {check}")
     targets = [r for r in rows if r["target"] is not None and "fallback" not in r["name"]]
     ok = all(r["pass"] for r in targets)
     failed = [r["name"] for r in targets if not r["pass"]]
@@ -238,7 +248,6 @@ def main(argv: List[str] | None = None) -> int:
         out = {"command": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
                "cpu": cpu_name(), "machine": platform.machine(), "numel": n, "density": args.density,
                "k": k, "sample": m, "repeat": rep, "c_kernels": have_c, "read_pass_ms": read_ms,
-               "read_pass_ms_before": read_before, "read_pass_ms_after": read_after,
                "rows": rows, "targets_pass": ok}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

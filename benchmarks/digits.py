@@ -34,8 +34,8 @@ def make_model(hidden: int = 512) -> torch.nn.Module:
     )
 
 
-def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32, lr: float = 0.05,
-                 seed: int = 0, hidden: int = 512) -> dict[str, Any]:
+def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32, lr: float = 0.2,
+                 seed: int = 0, hidden: int = 512, momentum: float = 0.0) -> dict[str, Any]:
     """Train on this rank's shard; return accuracy, loss per epoch, dense gradient bytes and time."""
     import horovod.torch as hvd
 
@@ -46,7 +46,7 @@ def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32
     model = make_model(hidden)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     kwargs = {} if compression is None else {"compression": compression}
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
                                    named_parameters=model.named_parameters(), **kwargs)
     dense_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
     steps, history = 0, []
@@ -71,7 +71,18 @@ def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32
                         "test_accuracy": acc})
     elapsed = time.perf_counter() - start
     weights_sum = sum(p.detach().double().sum().item() for p in model.parameters())
+    stats = compression.stats() if hasattr(compression, "stats") else None
     return {"rank": hvd.rank(), "size": hvd.size(), "steps": steps, "epochs": epochs,
             "final_accuracy": history[-1]["test_accuracy"], "history": history,
             "dense_bytes": dense_bytes_per_step * steps, "seconds": elapsed,
-            "parameters": sum(p.numel() for p in model.parameters()), "weights_checksum": weights_sum}
+            "parameters": sum(p.numel() for p in model.parameters()), "weights_checksum": weights_sum,
+            "bytes_sent": stats["bytes_sent"] if stats else dense_bytes_per_step * steps,
+            "compression": {k: v for k, v in stats.items() if k != "policy"} if stats else None,
+            "last3_accuracy": sum(h["test_accuracy"] for h in history[-3:]) / len(history[-3:])}
+
+
+def demo_compression() -> Any:
+    """The AdaptiveCompression settings of the demo and its test (docs/compression.md says why)."""
+    from crossover import AdaptiveCompression
+
+    return AdaptiveCompression("topk", cf_min=30, epsilon=0.15, window=100, min_compress_numel=4096)

@@ -180,3 +180,23 @@ def test_ranks_with_different_gradients_decide_identically():
     for r in res:
         s = r["stats"]
         assert s["step"] == 220 and s["bytes_sent"] < s["bytes_dense"]
+
+
+def digits_job(epochs):
+    from benchmarks.digits import demo_compression, train_digits
+
+    dense = train_digits(None, epochs=epochs)
+    adaptive = train_digits(demo_compression(), epochs=epochs)
+    return {"dense": dense, "adaptive": adaptive}
+
+
+def test_digits_training_matches_dense_with_10x_fewer_bytes():
+    res = run_function(digits_job, args=[20], timeout=600)
+    for r in res:
+        d, a = r["dense"], r["adaptive"]
+        assert d["last3_accuracy"] > 0.9, "dense training itself must work for the comparison to mean anything"
+        assert a["last3_accuracy"] >= d["last3_accuracy"] - 0.01, (a["history"], d["history"])
+        assert d["dense_bytes"] == a["dense_bytes"]
+        assert a["dense_bytes"] / a["bytes_sent"] >= 10, a["compression"]
+    # identical weights on both ranks: every rank applied the same averaged update
+    assert res[0]["adaptive"]["weights_checksum"] == res[1]["adaptive"]["weights_checksum"]
