@@ -19,6 +19,7 @@ How it fits Horovod's hook (see docs/compression.md):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import math
 import sys
@@ -324,7 +325,10 @@ class _SparseCompressionBase:
         """Everything a resumed run needs to continue the same schedule."""
         state = {"version": _STATE_VERSION, "compressor": self.compressor, "seed": self.seed,
                  "policy": self.policy.state_dict(), "bytes_sent": self._bytes_sent,
-                 "bytes_dense": self._bytes_dense, "step": self._step}
+                 "bytes_dense": self._bytes_dense, "step": self._step,
+                 # the last two steps' statistics, not yet fed to the policy (it observes one step late)
+                 "current": _accum_to_dict(self._cur), "pending": _accum_to_dict(self._pending),
+                 "last_step_time": self._last_step_time}
         if include_residuals:
             state["residuals"] = {k: v.clone() for k, v in self._residuals.items()}
         return state
@@ -342,6 +346,11 @@ class _SparseCompressionBase:
         if "residuals" in state:
             self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self._reset_step_state()
+        self._cur = _accum_from_dict(state.get("current"))
+        self._pending = _accum_from_dict(state.get("pending"))
+        self._last_step_time = float(state.get("last_step_time", 0.0))
+        if self._cur is not None:
+            self._phase = "decompress"  # the next compress finishes the restored step
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
@@ -416,6 +425,16 @@ def _keep(sel: Selection, mask: torch.Tensor, residual: torch.Tensor | None) -> 
         kernels.scatter_add(residual, sel.idx[drop].contiguous(), sel.val[drop].contiguous())
     val = sel.val[mask].contiguous()
     return Selection(sel.idx[mask].contiguous(), val, sel.sumsq_acc, kernels.sumsq(val))
+
+
+def _accum_to_dict(acc: _StepAccum | None) -> dict[str, Any] | None:
+    return None if acc is None else {**dataclasses.asdict(acc), "probes": list(acc.probes)}
+
+
+def _accum_from_dict(d: Mapping[str, Any] | None) -> _StepAccum | None:
+    if d is None:
+        return None
+    return _StepAccum(**{**d, "probes": tuple(d["probes"]), "probe_sq": list(d["probe_sq"])})
 
 
 def _mix(seed: int, step: int, key: str) -> int:

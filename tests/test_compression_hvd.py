@@ -200,3 +200,54 @@ def test_digits_training_matches_dense_with_10x_fewer_bytes():
         assert a["dense_bytes"] / a["bytes_sent"] >= 10, a["compression"]
     # identical weights on both ranks: every rank applied the same averaged update
     assert res[0]["adaptive"]["weights_checksum"] == res[1]["adaptive"]["weights_checksum"]
+
+
+def resume_job(steps_before, steps_after):
+    import json
+
+    from crossover import AdaptiveCompression
+
+    def make():
+        # window > the run: decisions depend on gains only (deterministic), not on measured time
+        return AdaptiveCompression("topk", cf_min=4, cf_max=64, epsilon=0.9, window=10_000, ewma_alpha=0.3)
+
+    comp_a = make()
+    p_a, opt_a = _param_opt(comp_a)
+    for step in range(steps_before):
+        _grad_step(p_a, opt_a, _rank_grad(step, heavy=True))
+    saved = comp_a.state_dict()
+    comp_b = make()
+    comp_b.load_state_dict(saved)
+    p_b, opt_b = _param_opt(comp_b)
+    traces = {"a": [], "b": []}
+    for step in range(steps_before, steps_before + steps_after):
+        g = _rank_grad(step, heavy=True)
+        for key, comp, p, opt in (("a", comp_a, p_a, opt_a), ("b", comp_b, p_b, opt_b)):
+            grad = _grad_step(p, opt, g)
+            traces[key].append([comp.stats()["compression_factor"], float(grad.abs().sum())])
+    def decisions_state(comp):  # the policy state minus measured step times (which differ run to run)
+        return json.dumps({k: v for k, v in comp.state_dict(False)["policy"].items() if k != "throughput"})
+
+    same_state = decisions_state(comp_a) == decisions_state(comp_b)
+
+    # elastic-style re-synchronisation: rank 1 forgets everything, sync() restores rank 0's state
+    comp_c = comp_b if hvd_rank() == 0 else make()
+    comp_c.sync(root_rank=0)
+    return {"traces": traces, "same_state": same_state,
+            "synced_policy": json.dumps(comp_c.state_dict(False)["policy"], sort_keys=True),
+            "cfs": sorted({t[0] for t in traces["a"]})}
+
+
+def hvd_rank():
+    import horovod.torch as hvd
+
+    return hvd.rank()
+
+
+def test_state_dict_resume_continues_the_same_schedule_and_sync_aligns_ranks():
+    res = run_function(resume_job, args=[60, 60], timeout=300)
+    for r in res:
+        assert r["traces"]["a"] == r["traces"]["b"]
+        assert r["same_state"]
+        assert len(r["cfs"]) >= 2, "the continued run should switch between CFs for the test to bite"
+    assert res[0]["synced_policy"] == res[1]["synced_policy"]
