@@ -130,7 +130,9 @@ def test_run_shaped_timeout_kills_group_and_cleans_up(need_netem: None) -> None:
 
 @pytest.mark.netem
 def test_keyboard_interrupt_cleans_up(need_netem: None) -> None:
-    code = ("from crossover.netem import run_shaped\n"
+    # SIGINT may be ignored when inherited from a non-interactive parent (CI): restore Python's handler
+    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from crossover.netem import run_shaped\n"
             "try:\n    run_shaped(['sleep', '60'])\nexcept KeyboardInterrupt:\n    raise SystemExit(130)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     try:
