@@ -74,7 +74,11 @@ if ! "$PY" -c 'import crossover, horovod_ext' >/dev/null 2>&1 || [ setup.py -nt 
   mkdir -p .venv && touch .venv/.crossover-installed
 fi
 
-# 7. Verify the build the way Horovod users do.
+# 7. Compile crossover's C kernels now (install time) rather than in the first training step.
+"$PY" -c 'from crossover.compression.kernels import build_kernels as b; import sys; sys.exit(0 if b() else 1)' \
+  || say "WARNING: the C kernels did not build; crossover falls back to slower pure-torch code"
+
+# 8. Verify the build the way Horovod users do.
 BIN=$(dirname "$PY")
 "$BIN/horovodrun" --check-build | tee /tmp/crossover-check-build.txt
 grep -q '\[X\] PyTorch' /tmp/crossover-check-build.txt || { echo "[setup] ERROR: Horovod lacks PyTorch" >&2; exit 1; }
