@@ -265,14 +265,13 @@ class _SparseCompressionBase:
         if out is None or out.numel() != ctx.numel or out.device != tensor.device:
             out = torch.empty(ctx.numel, dtype=torch.float32, device=tensor.device)
             self._outputs[ctx.key] = out
-        out.zero_()
         if ctx.kind == "ar":
-            kernels.scatter_add(out, ctx.idx, tensor[:ctx.k].contiguous())
+            kernels.zero_scatter(out, ctx.idx, tensor[:ctx.k].contiguous())
         else:
             gathered = hvd.synchronize(ctx.handle)
             idx = gathered[:, 0].contiguous()
             val = gathered[:, 1].contiguous().view(torch.float32)
-            kernels.scatter_add(out, idx, val, scale / world)
+            kernels.zero_scatter(out, idx, val, scale / world)
         return out.view(ctx.shape)
 
     def _count_sent(self, nbytes: int) -> None:

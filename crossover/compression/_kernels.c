@@ -1,10 +1,11 @@
 /* Hot-path kernels for crossover's gradient compressors (called through ctypes, see kernels.py).
  *
- * C99, single-threaded, no allocation: the caller passes every output buffer. The dense loops are
- * written as blocks of LANES independent accumulators so that gcc -O3 vectorises them with the
- * baseline instruction set (no -march=native, no -ffast-math): each lane keeps its own double sum,
- * so no floating-point reassociation is needed. All functions return 0 on success; those taking
- * indices return -1, having written nothing, when an index is outside [0, n).
+ * C99, single-threaded, no allocation: the caller passes every output buffer (the only scratch
+ * space is a few KiB of stack). The dense loops are written as blocks of LANES independent
+ * accumulators so that gcc -O3 vectorises them with the baseline instruction set (no -march=native,
+ * no -ffast-math): each lane keeps its own double sum, so no floating-point reassociation is needed.
+ * All functions return 0 on success; those taking indices return -1, having written nothing, when an
+ * index is outside [0, n).
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,7 +16,9 @@
 
 #if defined(__GNUC__) || defined(__clang__)
 #define CTZ32(m) __builtin_ctz(m)
+#define INLINE inline __attribute__((always_inline))
 #else
+#define INLINE inline
 static int CTZ32(uint32_t m)
 {
     int l = 0;
@@ -26,6 +29,18 @@ static int CTZ32(uint32_t m)
     return l;
 }
 #endif
+
+/* On x86-64 with gcc and glibc the dense kernels are also compiled for AVX2 and the loader picks the
+ * best version at run time (ifunc), so the cached library stays portable (no -march=native) while
+ * AVX2 machines get twice the vector width. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 6 && defined(__x86_64__) && \
+    defined(__GLIBC__) && !defined(CROSSOVER_NO_MULTIVERSION)
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define MULTIVERSION
+#endif
+
+#define HIGH (UINT32_C(1) << 31)
 
 static const uint32_t BIT[32] = {
     1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
@@ -39,6 +54,7 @@ static double lanes_total(const double *s)
 }
 
 /* sum of x[i]^2, accumulated in double */
+MULTIVERSION
 int cx_sumsq(const float *x, int64_t n, double *out_sumsq)
 {
     double s[LANES] = {0};
@@ -59,6 +75,7 @@ int cx_sumsq(const float *x, int64_t n, double *out_sumsq)
 }
 
 /* r += g in place; sum of the new r^2 in double */
+MULTIVERSION
 int cx_ef_accumulate(const float *g, float *r, int64_t n, double *out_sumsq)
 {
     double s[LANES] = {0};
@@ -82,89 +99,124 @@ int cx_ef_accumulate(const float *g, float *r, int64_t n, double *out_sumsq)
     return 0;
 }
 
+/* Running state of cx_ef_select. */
+typedef struct {
+    double s[LANES]; /* per-lane sums of acc^2 */
+    double tail;     /* sum of acc^2 over elements outside whole lane groups */
+    double ssel;     /* sum of picked^2 */
+    int64_t cnt, q;  /* picked, qualifying */
+} select_state;
+
+/* One chunk [b, b + len) of cx_ef_select, len <= CHUNK. Called with len == CHUNK for all whole
+ * chunks so that, once inlined, the loops below have constant trip counts. */
+static INLINE void select_chunk(select_state *st, const float *g, float *r, int64_t b, int64_t len,
+                                float thr, int32_t *oidx, float *oval, int64_t cap)
+{
+    uint32_t mask[CHUNK / 32];
+    const int64_t full = len - len % LANES;
+    const float *acc = r ? r : g; /* acc is read back from here once the chunk is accumulated */
+    /* 1. acc (into r) and sum of squares */
+    if (r) {
+        for (int64_t i = b; i < b + full; i += LANES) {
+            for (int l = 0; l < LANES; l++) {
+                float a = g[i + l] + r[i + l];
+                r[i + l] = a;
+                double d = a;
+                st->s[l] += d * d;
+            }
+        }
+        for (int64_t i = b + full; i < b + len; i++) {
+            float a = g[i] + r[i];
+            r[i] = a;
+            st->tail += (double)a * (double)a;
+        }
+    } else {
+        for (int64_t i = b; i < b + full; i += LANES) {
+            for (int l = 0; l < LANES; l++) {
+                double d = g[i + l];
+                st->s[l] += d * d;
+            }
+        }
+        for (int64_t i = b + full; i < b + len; i++)
+            st->tail += (double)g[i] * (double)g[i];
+    }
+    /* 2. one bit per element: |acc| >= thr */
+    const float *a = acc + b;
+    const int64_t words = len / 32, rest = len % 32;
+    for (int64_t w = 0; w < words; w++) {
+        uint32_t m = 0;
+        for (int l = 0; l < 32; l++)
+            m |= BIT[l] & (0u - (uint32_t)(fabsf(a[32 * w + l]) >= thr));
+        mask[w] = m;
+    }
+    if (rest) {
+        uint32_t m = 0;
+        for (int l = 0; l < rest; l++)
+            m |= BIT[l] & (0u - (uint32_t)(fabsf(a[32 * words + l]) >= thr));
+        mask[words] = m;
+    }
+    /* 3. flatten the set bits into chunk offsets, in index order: the first two bits of every word
+     * without branches (ctz of m | HIGH is a harmless dummy entry, not counted, once m is empty),
+     * further ones (rare at low density) in a loop */
+    int32_t cand[CHUNK + 2];
+    int64_t nc = 0;
+    const int64_t nwords = words + (rest ? 1 : 0);
+    for (int64_t w = 0; w < nwords; w++) {
+        uint32_t m = mask[w];
+        const int32_t base = (int32_t)(32 * w);
+        cand[nc] = base + CTZ32(m | HIGH);
+        nc += (m != 0);
+        m &= m - 1u;
+        cand[nc] = base + CTZ32(m | HIGH);
+        nc += (m != 0);
+        m &= m - 1u;
+        while (m) {
+            cand[nc++] = base + CTZ32(m);
+            m &= m - 1u;
+        }
+    }
+    /* 4. emit them while capacity lasts */
+    st->q += nc;
+    const int64_t room = cap - st->cnt;
+    const int64_t take = nc < room ? nc : room;
+    int32_t *oi = oidx + st->cnt;
+    float *ov = oval + st->cnt;
+    double ssel = 0.0;
+    for (int64_t t = 0; t < take; t++) {
+        const int64_t i = b + cand[t];
+        const float v = acc[i];
+        oi[t] = (int32_t)i;
+        ov[t] = v;
+        ssel += (double)v * (double)v;
+        if (r)
+            r[i] = 0.0f;
+    }
+    st->ssel += ssel;
+    st->cnt += take;
+}
+
 /* Error-feedback threshold selection, one pass over the data. acc = g + r (r may be NULL: acc = g).
  * Elements with |acc| >= thr are picked in index order into oidx/oval while fewer than cap have been
  * picked; if r is given it ends as 0 where picked and acc elsewhere. counts = {picked, qualifying},
  * sums = {sum acc^2, sum picked^2}.
  * The data go through in L1-sized chunks: a vectorised loop writes r = acc and sums acc^2, a second
- * vectorised loop turns each 32 elements of the (now cached) acc into a bit mask, and a scalar loop
- * visits only the set bits. */
+ * vectorised loop turns each 32 elements of the (now cached) acc into a bit mask, a mostly
+ * branch-free loop turns the set bits into offsets and a last loop emits them. */
+MULTIVERSION
 int cx_ef_select(const float *g, float *r, int64_t n, float thr, int32_t *oidx, float *oval,
                  int64_t cap, int64_t *counts, double *sums)
 {
-    uint32_t mask[CHUNK / 32];
-    double s[LANES] = {0};
-    double tail = 0.0, ssel = 0.0;
-    int64_t cnt = 0, q = 0;
-    const float *acc = r ? r : g; /* acc is read back from here once a chunk has been accumulated */
-    for (int64_t b = 0; b < n; b += CHUNK) {
-        const int64_t len = (n - b < CHUNK) ? n - b : CHUNK;
-        const int64_t full = len - len % LANES;
-        /* 1. acc (into r) and sum of squares */
-        if (r) {
-            for (int64_t i = b; i < b + full; i += LANES) {
-                for (int l = 0; l < LANES; l++) {
-                    float a = g[i + l] + r[i + l];
-                    r[i + l] = a;
-                    double d = a;
-                    s[l] += d * d;
-                }
-            }
-            for (int64_t i = b + full; i < b + len; i++) {
-                float a = g[i] + r[i];
-                r[i] = a;
-                tail += (double)a * (double)a;
-            }
-        } else {
-            for (int64_t i = b; i < b + full; i += LANES) {
-                for (int l = 0; l < LANES; l++) {
-                    double d = g[i + l];
-                    s[l] += d * d;
-                }
-            }
-            for (int64_t i = b + full; i < b + len; i++)
-                tail += (double)g[i] * (double)g[i];
-        }
-        /* 2. one bit per element: |acc| >= thr */
-        const float *a = acc + b;
-        const int64_t words = len / 32, rest = len % 32;
-        for (int64_t w = 0; w < words; w++) {
-            uint32_t m = 0;
-            for (int l = 0; l < 32; l++)
-                m |= BIT[l] & (0u - (uint32_t)(fabsf(a[32 * w + l]) >= thr));
-            mask[w] = m;
-        }
-        if (rest) {
-            uint32_t m = 0;
-            for (int l = 0; l < rest; l++)
-                m |= BIT[l] & (0u - (uint32_t)(fabsf(a[32 * words + l]) >= thr));
-            mask[words] = m;
-        }
-        /* 3. visit the set bits in index order */
-        const int64_t nwords = words + (rest ? 1 : 0);
-        for (int64_t w = 0; w < nwords; w++) {
-            uint32_t m = mask[w];
-            while (m) {
-                int l = CTZ32(m);
-                m &= m - 1u;
-                int64_t i = b + 32 * w + l;
-                q++;
-                if (cnt < cap) {
-                    float v = acc[i];
-                    oidx[cnt] = (int32_t)i;
-                    oval[cnt] = v;
-                    cnt++;
-                    ssel += (double)v * (double)v;
-                    if (r)
-                        r[i] = 0.0f;
-                }
-            }
-        }
-    }
-    counts[0] = cnt;
-    counts[1] = q;
-    sums[0] = lanes_total(s) + tail;
-    sums[1] = ssel;
+    select_state st;
+    memset(&st, 0, sizeof st);
+    int64_t b = 0;
+    for (; n - b >= CHUNK; b += CHUNK)
+        select_chunk(&st, g, r, b, CHUNK, thr, oidx, oval, cap);
+    if (b < n)
+        select_chunk(&st, g, r, b, n - b, thr, oidx, oval, cap);
+    counts[0] = st.cnt;
+    counts[1] = st.q;
+    sums[0] = lanes_total(st.s) + st.tail;
+    sums[1] = st.ssel;
     return 0;
 }
 

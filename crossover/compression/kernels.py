@@ -2,7 +2,8 @@
 
 The C source (``_kernels.c``) is compiled on first use with the system C compiler (``$CC``, else
 ``cc``, else ``gcc``; ``-O3 -shared -fPIC -std=c99``, deliberately without ``-march=native`` so
-the cached library runs on any machine of the same architecture) into
+the cached library runs on any machine of the same architecture; with gcc + glibc on x86-64 the dense
+kernels also get an AVX2 version picked at load time) into
 ``$CROSSOVER_CACHE/kernels/`` (default ``~/.cache/crossover/kernels/``). The file name carries a
 hash of the source, the flags and ``platform.machine()``, and the library is renamed into place
 atomically, so concurrent ranks can build at the same time. ``scripts/setup.sh`` builds it ahead of
@@ -116,6 +117,7 @@ def build_kernels() -> str | None:
             _warn_once(f"building the crossover kernels failed ({cc}, rc {proc.returncode}): "
                        f"{proc.stderr.strip()[-2000:]}")
             return None
+        os.chmod(tmp, 0o755)  # mkstemp made it private; the linker may keep that mode
         os.replace(tmp, target)
         tmp = None
         return str(target)
@@ -191,8 +193,24 @@ def _check_1d(**ts: torch.Tensor | None) -> None:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
 
 
+_SUMSQ_CHUNK = 1 << 15
+
+
 def _sumsq_torch(x: torch.Tensor) -> float:
-    return float(x.double().pow_(2).sum()) if x.numel() else 0.0
+    if x.numel() == 0:
+        return 0.0
+    if x.device.type != "cpu" or x.numel() <= _SUMSQ_CHUNK:
+        return float(x.double().pow_(2).sum())
+    # CPU: a fresh float64 copy of a big tensor costs ~10x the arithmetic in page faults, so convert
+    # chunk by chunk into one small reused buffer.
+    x = x.reshape(-1)
+    buf = torch.empty(_SUMSQ_CHUNK, dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in x.split(_SUMSQ_CHUNK):
+        b = buf[: chunk.numel()]
+        b.copy_(chunk)
+        total += torch.dot(b, b)
+    return float(total)
 
 
 def _raise_index(rc: int, what: str) -> None:
@@ -206,11 +224,10 @@ def _raise_index(rc: int, what: str) -> None:
 
 def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float,
               out_idx: torch.Tensor, out_val: torch.Tensor) -> Tuple[int, int, float, float]:
-    """Pick |grad+residual| >= threshold in index order up to len(out_idx); residual keeps the rest.
-
-    Returns (count_selected, count_qualifying, sumsq_acc, sumsq_selected). With a residual it is
-    updated in place: 0 where selected, grad + residual elsewhere. residual=None: no error feedback.
-    """
+    """Select |grad+residual| >= threshold into out_*; -> (n_sel, n_qualifying, sumsq_acc, sumsq_sel)."""
+    # acc = grad + residual (residual None: acc = grad, no error feedback). Qualifying elements are
+    # taken in index order until len(out_idx) are; later ones are counted, not selected. A given
+    # residual becomes acc, with 0 where selected. Sums of squares accumulate in double.
     _check_1d(grad=grad, residual=residual, out_idx=out_idx, out_val=out_val)
     n, cap = grad.numel(), out_idx.numel()
     if residual is not None and residual.numel() != n:
@@ -223,7 +240,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: floa
     if lib is not None and _f32(grad, residual, out_val) and _cpu_contig(out_idx, torch.int32):
         counts = (ctypes.c_int64 * 2)()
         sums = (ctypes.c_double * 2)()
-        lib.cx_ef_select(grad.data_ptr(), _ptr(residual), n, threshold, out_idx.data_ptr(),
+        lib.cx_ef_select(grad.data_ptr(), _ptr(residual), n, float(threshold), out_idx.data_ptr(),
                          out_val.data_ptr(), cap, counts, sums)
         return int(counts[0]), int(counts[1]), float(sums[0]), float(sums[1])
     acc = grad if residual is None else residual.add_(grad)
@@ -292,7 +309,7 @@ def scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale:
     lib = _lib_if_enabled()
     if lib is not None and _f32(out, vals) and _cpu_contig(idx, torch.int32):
         rc = lib.cx_scatter_add(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(),
-                                idx.numel(), scale)
+                                idx.numel(), float(scale))
         _raise_index(rc, "scatter_add")
         return
     out.index_add_(0, idx, vals.to(out.dtype), alpha=scale)
@@ -306,7 +323,7 @@ def zero_scatter(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale
     lib = _lib_if_enabled()
     if lib is not None and _f32(out, vals) and _cpu_contig(idx, torch.int32):
         rc = lib.cx_zero_scatter(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(),
-                                 idx.numel(), scale)
+                                 idx.numel(), float(scale))
         _raise_index(rc, "zero_scatter")
         return
     out.zero_()
@@ -352,12 +369,10 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def random_indices(numel: int, k: int, seed: int, out_idx: torch.Tensor) -> None:
-    """Write k sorted distinct pseudo-random indices < numel into out_idx[:k] (stratified splitmix64).
-
-    Stratum j is [j*numel//k, (j+1)*numel//k); its index is lo + ((z >> 32) * width >> 32) with
-    z = splitmix64 finaliser of seed + (j+1) * 0x9E3779B97F4A7C15 (mod 2**64). C and the torch
-    fallback give identical indices for the same (numel, k, seed) on any device.
-    """
+    """Write k sorted distinct pseudo-random indices < numel into out_idx[:k], a function of the seed only."""
+    # Stratum j is [j*numel//k, (j+1)*numel//k); its index is lo + ((z >> 32) * width >> 32) with
+    # z = splitmix64 finaliser of seed + (j+1) * 0x9E3779B97F4A7C15 (mod 2**64). C and the torch
+    # fallback give identical indices for the same (numel, k, seed) on any device.
     _check_1d(out_idx=out_idx)
     if not 0 <= k <= numel:
         raise ValueError(f"need 0 <= k <= numel, got k={k}, numel={numel}")
