@@ -34,7 +34,7 @@ import torch
 from crossover.adaptive.gravac import GravacPolicy, StepStats
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression import cost_model, kernels
-from crossover.compression.selectors import Selection, Selector, k_for, make_selector
+from crossover.compression.selectors import Selector, apply_mask, k_for, make_selector
 
 __all__ = ["AdaptiveCompression", "FP16Compression", "StaticCompression"]
 
@@ -212,7 +212,7 @@ class _SparseCompressionBase:
         k = k_for(numel, send_cf) if send_cf > 1 else numel
         transport = cost_model.choose_transport(numel, k, world, self.selector.shared_indices)
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
-            sel = _keep(sel, masks[send_cf], residual)
+            sel = apply_mask(sel, masks[send_cf], residual)
         ctx = _Ctx(kind="dense", key=key, shape=tensor.shape, numel=numel, dtype=tensor.dtype,
                    nprobes=len(cur.probes))
         if transport == cost_model.DENSE:
@@ -416,14 +416,6 @@ class FP16Compression:
     def stats(self) -> dict[str, Any]:
         return {"step": None, "compression_factor": 2.0, "gain": None, "bytes_sent": self.bytes_sent,
                 "bytes_dense": self.bytes_dense}
-
-
-def _keep(sel: Selection, mask: torch.Tensor, residual: torch.Tensor | None) -> Selection:
-    if residual is not None:
-        drop = ~mask
-        kernels.scatter_add(residual, sel.idx[drop].contiguous(), sel.val[drop].contiguous())
-    val = sel.val[mask].contiguous()
-    return Selection(sel.idx[mask].contiguous(), val, sel.sumsq_acc, kernels.sumsq(val))
 
 
 def _accum_to_dict(acc: _StepAccum | None) -> dict[str, Any] | None:

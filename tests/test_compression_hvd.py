@@ -128,7 +128,7 @@ def test_topk_allgather_is_exact_sum_of_selections():
         expect = total if label == "sum" else total / 2
         for c in (c0, c1):
             assert torch.equal(torch.tensor(c["reduced"]), expect), label
-            assert 0.8 * N / 10 <= c["sent"] <= N / 10, label
+            assert 0.8 * N / 10 <= c["sent"] <= 1.1 * N / 10, label
 
 
 def error_feedback_job(steps):

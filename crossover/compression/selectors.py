@@ -21,7 +21,7 @@ import torch
 
 from . import kernels
 
-__all__ = ["SELECTORS", "Selection", "Selector", "make_selector"]
+__all__ = ["SELECTORS", "Selection", "Selector", "apply_mask", "k_for", "make_selector"]
 
 
 def k_for(numel: int, cf: float) -> int:
@@ -60,6 +60,8 @@ class Selector:
     shared_indices = False  # True: same indices on every rank (allreduce-able payload)
     sample_fraction = 0.001  # fraction of elements sampled to estimate a threshold
     min_samples = 4096
+    exact_limit = 65536  # selections up to this size are trimmed exactly
+    trim_slack = 1.1  # top-k keeps at most trim_slack * k elements
 
     def __init__(self) -> None:
         self.buffers = _Buffers()
@@ -96,33 +98,39 @@ class Selector:
         raise NotImplementedError
 
     def subselect(self, sel: Selection, numel: int, cf: float, seed: int) -> torch.Tensor:
-        """Boolean mask over `sel` keeping about numel/cf of its largest-magnitude elements."""
+        """Boolean mask over `sel` keeping about numel/cf of its largest-magnitude elements.
+
+        Exact (kthvalue) on small selections; above `exact_limit` a threshold from a strided sample
+        of the selection, which costs one pass instead of a selection algorithm.
+        """
         k = k_for(numel, cf)
         n = sel.val.numel()
         if k >= n:
             return torch.ones(n, dtype=torch.bool, device=sel.val.device)
         mag = sel.val.abs()
-        kth = torch.kthvalue(mag, n - k + 1).values  # the k-th largest magnitude
-        return mag >= kth
+        if n <= self.exact_limit:
+            return mag >= torch.kthvalue(mag, n - k + 1).values  # the k-th largest magnitude
+        stride = max(1, n // self.min_samples)
+        return mag >= self._threshold(mag[::stride].contiguous(), k / n)
 
 
 class TopK(Selector):
-    """Approximate top-k: a threshold from a sample, one fused selection pass, trimmed to at most k."""
+    """Approximate top-k: a threshold from a sample, one fused selection pass; a count above
+    trim_slack * k (the sample's estimate was off) is trimmed back to about k."""
 
     name = "topk"
-    overshoot = 1.15  # aim a little above k so the sample's error rarely leaves us short
 
     def select(self, key, grad, residual, cf, seed):
         numel = grad.numel()
         k = k_for(numel, cf)
         if k >= numel:
             return _dense_selection(grad, residual)
-        thr = self._threshold(self._sample(key, grad, residual), min(1.0, self.overshoot * k / numel))
+        thr = self._threshold(self._sample(key, grad, residual), k / numel)
         idx, val, count, sumsq_acc, sumsq_sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
         sel = Selection(idx, val, sumsq_acc, sumsq_sel)
-        if count > k:  # trim the overshoot; trimmed elements go back to the residual
+        if count > self.trim_slack * k:  # trim the overshoot; trimmed elements go back to the residual
             keep = Selector.subselect(self, sel, numel, numel / k, seed)
-            sel = _apply_mask(sel, keep, residual)
+            sel = apply_mask(sel, keep, residual)
         return sel
 
 
@@ -215,7 +223,7 @@ def _dense_selection(grad: torch.Tensor, residual: torch.Tensor | None) -> Selec
     return Selection(idx, acc, s, s)
 
 
-def _apply_mask(sel: Selection, keep: torch.Tensor, residual: torch.Tensor | None) -> Selection:
+def apply_mask(sel: Selection, keep: torch.Tensor, residual: torch.Tensor | None) -> Selection:
     """Keep `keep` of a selection; the dropped elements return to the residual (where they were zero)."""
     if residual is not None and not bool(keep.all()):
         drop = ~keep

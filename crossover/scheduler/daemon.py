@@ -1,0 +1,419 @@
+"""The node-local crossover scheduler daemon (one per host, started on demand).
+
+    python -m crossover.scheduler.daemon [--dir DIR] [--lease 10] [--align-ms 2] [--idle-exit 60]
+
+It listens on ``DIR/sched.sock`` (a Unix stream socket; ``DIR`` is 0700, see
+:mod:`crossover.scheduler.paths`), never on TCP, and serves the turn-taking policy of
+:mod:`crossover.scheduler.policy` to the workers of every job on this host. Only one daemon runs per
+directory: it holds an exclusive ``flock`` on ``DIR/daemon.lock`` for its whole life, so several
+workers that start it at once are safe (the losers exit at once), and a dead daemon's lock is gone
+with it. It exits after ``--idle-exit`` seconds without any connection (0: never), on SIGTERM/SIGINT.
+
+One event loop (``selectors``/epoll), non-blocking sockets, no threads. A connection that sends a
+malformed frame, an invalid message or a request that contradicts its state gets an ``error`` reply
+and is closed; so is one from another user (``SO_PEERCRED``), one beyond :data:`MAX_CLIENTS`, or one
+that does not read its replies (more than :data:`OUT_LIMIT` bytes queued). Whatever a connection held
+or waited for is given up when it closes, so a worker that dies releases its device at once.
+
+``--trace FILE`` (or ``$CROSSOVER_SCHED_TRACE``) appends one JSON line per scheduling event (turn
+start / join / leave / end, lease expiry, connect / disconnect) with the wall-clock time ``t``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import gc
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import IO, Any, Sequence
+
+from crossover.scheduler import paths
+from crossover.scheduler.policy import Grant, Scheduler, StateError
+from crossover.scheduler.protocol import CLIENT_OPS, VERSION, Decoder, ProtocolError, encode
+
+__all__ = ["Daemon", "main", "DEFAULT_LEASE_S", "DEFAULT_ALIGN_MS", "DEFAULT_IDLE_EXIT_S"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 10.0
+DEFAULT_ALIGN_MS = 2.0
+DEFAULT_IDLE_EXIT_S = 60.0
+MAX_CLIENTS = 1024
+OUT_LIMIT = 64 * 1024
+RECV_SIZE = 65536
+_UCRED = struct.Struct("3i")
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to leave the event loop."""
+
+
+class _Client:
+    __slots__ = ("cid", "sock", "decoder", "out", "said_hello", "peer_pid", "writing")
+
+    def __init__(self, cid: int, sock: socket.socket, peer_pid: int) -> None:
+        self.cid = cid
+        self.sock = sock
+        self.decoder = Decoder(CLIENT_OPS)
+        self.out = bytearray()
+        self.said_hello = False
+        self.peer_pid = peer_pid
+        self.writing = False
+
+
+class Daemon:
+    """One scheduler daemon serving ``directory``; :meth:`start` then :meth:`serve_forever`."""
+
+    def __init__(self, directory: str, lease_s: float = DEFAULT_LEASE_S, align_s: float = DEFAULT_ALIGN_MS / 1e3,
+                 idle_exit_s: float = DEFAULT_IDLE_EXIT_S, trace: str | None = None) -> None:
+        self.directory = paths.secure_dir(directory)
+        self.sock_path = paths.socket_path(self.directory)
+        self.idle_exit_s = idle_exit_s
+        self.trace_path = trace
+        self.sched = Scheduler(lease_s, align_s, on_event=self._on_event)
+        self._clients: dict[int, _Client] = {}
+        self._next_cid = 1
+        self._sel = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self._sock_ino: int | None = None
+        self._trace: IO[str] | None = None
+        self._idle_since = time.monotonic()
+        self._uid = os.geteuid()
+
+    # ------------------------------------------------------------------ start / stop
+
+    def start(self) -> bool:
+        """Take the directory's lock and bind the socket. False when another daemon already runs."""
+        lock_path = os.path.join(self.directory, paths.LOCK_NAME)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.sock_path)  # a dead daemon's socket: we hold the lock, so it is stale
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            lsock.bind(self.sock_path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.sock_path, 0o600)
+        self._sock_ino = os.stat(self.sock_path).st_ino
+        lsock.listen(256)
+        lsock.setblocking(False)
+        self._listener = lsock
+        self._sel.register(lsock, selectors.EVENT_READ, None)
+        if self.trace_path:
+            # line-buffered: every event is on disk before the grant it announces is sent, even if the
+            # daemon is killed right after (tests and post-mortems rely on it; off unless asked for)
+            self._trace = open(self.trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._trace_event({"ev": "daemon_start", "lease_s": self.sched.lease_s, "align_s": self.sched.align_s})
+        log.info("crossover scheduler daemon %d serving %s (lease %.3g s, align %.3g ms, idle exit %.3g s)",
+                 os.getpid(), self.sock_path, self.sched.lease_s, self.sched.align_s * 1e3, self.idle_exit_s)
+        return True
+
+    def close(self) -> None:
+        """Close every connection, remove our socket file and give up the lock."""
+        for c in list(self._clients.values()):
+            self._close(c, None)
+        if self._listener is not None:
+            self._sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(OSError):
+                if os.stat(self.sock_path).st_ino == self._sock_ino:
+                    os.unlink(self.sock_path)
+        self._trace_event({"ev": "daemon_stop"})
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._sel.close()
+        log.info("crossover scheduler daemon %d stopped", os.getpid())
+
+    def serve_forever(self) -> None:
+        """Run the event loop until SIGTERM/SIGINT or the idle time-out."""
+        def stop(signum: int, frame: object) -> None:
+            raise _Stop
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while True:
+                timeout = self._timeout()
+                events = self._sel.select(timeout)
+                for key, mask in events:
+                    if key.data is None:
+                        self._accept()
+                        continue
+                    c: _Client = key.data
+                    if mask & selectors.EVENT_READ:
+                        self._read(c)
+                    if mask & selectors.EVENT_WRITE and c.cid in self._clients:
+                        self._flush(c)
+                self._deliver(self.sched.tick(time.monotonic()))
+                if (self.idle_exit_s > 0 and not self._clients
+                        and time.monotonic() - self._idle_since >= self.idle_exit_s):
+                    log.info("no connection for %.3g s: exiting", self.idle_exit_s)
+                    return
+        except _Stop:
+            log.info("signal received: exiting")
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    # ------------------------------------------------------------------ event loop parts
+
+    def _timeout(self) -> float | None:
+        now = time.monotonic()
+        times = []
+        deadline = self.sched.next_deadline()
+        if deadline is not None:
+            times.append(deadline - now)
+        if self.idle_exit_s > 0 and not self._clients:
+            times.append(self._idle_since + self.idle_exit_s - now)
+        return max(0.0, min(times)) if times else None
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+                log.warning("accept failed: %s", exc)
+                return
+            try:
+                pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            except OSError:
+                pid, uid = 0, -1
+            if uid not in (self._uid, 0):
+                log.warning("refused a connection from uid %d (pid %d)", uid, pid)
+                sock.close()
+                continue
+            if len(self._clients) >= MAX_CLIENTS:
+                log.warning("refused a connection from pid %d: %d connections open", pid, MAX_CLIENTS)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            c = _Client(self._next_cid, sock, pid)
+            self._next_cid += 1
+            self._clients[c.cid] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _read(self, c: _Client) -> None:
+        try:
+            data = c.sock.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(c, None, f"receive failed: {exc}")
+            return
+        if not data:
+            self._close(c, None)
+            return
+        try:
+            for msg in c.decoder.feed(data):
+                self._handle(c, msg)
+                if c.cid not in self._clients:
+                    return
+        except (ProtocolError, StateError) as exc:
+            self._close(c, str(exc))
+
+    def _handle(self, c: _Client, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        now = time.monotonic()
+        if not c.said_hello:
+            if op != "hello":
+                raise ProtocolError(f"{op} before hello")
+            self.sched.hello(c.cid, msg["job"], msg["member"], float(msg["weight"]), msg["pid"])
+            c.said_hello = True
+            self._trace_event({"ev": "connect", "job": msg["job"], "member": msg["member"], "pid": msg["pid"]})
+            self._send(c, {"op": "welcome", "v": VERSION, "pid": os.getpid(), "lease": self.sched.lease_s})
+        elif op == "acquire":
+            self._deliver(self.sched.acquire(c.cid, msg["dev"], msg["seq"], msg["id"], now))
+        elif op == "release":
+            self._deliver(self.sched.release(c.cid, msg["dev"], now))
+        elif op == "ping":
+            self._send(c, {"op": "pong", "id": msg["id"]})
+        elif op == "status":
+            self._send_status(c, msg["id"], now)
+        else:
+            raise ProtocolError(f"{op} sent twice" if op == "hello" else f"unexpected op {op}")
+
+    def _send_status(self, c: _Client, req_id: int, now: float) -> None:
+        state = self.sched.snapshot(now)
+        state["daemon_pid"] = os.getpid()
+        try:
+            frame = encode({"op": "status", "id": req_id, "state": state})
+        except ProtocolError:
+            frame = encode({"op": "status", "id": req_id,
+                            "state": {"truncated": True, "daemon_pid": os.getpid(),
+                                      "connections": state["connections"], "devices": sorted(state["devices"])[:20]}})
+        self._write(c, frame)
+
+    def _deliver(self, grants: list[Grant]) -> None:
+        for g in grants:
+            c = self._clients.get(g.conn)
+            if c is not None:
+                self._send(c, {"op": "grant", "id": g.req_id, "dev": g.dev, "turn": g.turn,
+                               "waited_us": int(g.waited * 1e6)})
+
+    def _send(self, c: _Client, msg: dict[str, Any]) -> None:
+        self._write(c, encode(msg))
+
+    def _write(self, c: _Client, frame: bytes) -> None:
+        if c.out:
+            c.out += frame
+        else:
+            try:
+                n = c.sock.send(frame)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._close(c, None, f"send failed: {exc}")
+                return
+            if n == len(frame):
+                return
+            c.out += frame[n:]
+        if len(c.out) > OUT_LIMIT:
+            self._close(c, None, "client does not read its replies")
+            return
+        if not c.writing:
+            c.writing = True
+            self._sel.modify(c.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
+
+    def _flush(self, c: _Client) -> None:
+        try:
+            n = c.sock.send(c.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(c, None, f"send failed: {exc}")
+            return
+        del c.out[:n]
+        if not c.out and c.writing:
+            c.writing = False
+            self._sel.modify(c.sock, selectors.EVENT_READ, c)
+
+    def _close(self, c: _Client, error: str | None, why: str | None = None) -> None:
+        """Close one connection (after an ``error`` reply when ``error`` is given); drop its state."""
+        if self._clients.pop(c.cid, None) is None:
+            return
+        if error is not None:
+            log.warning("closing connection %d (pid %d): %s", c.cid, c.peer_pid, error)
+            with contextlib.suppress(OSError, ProtocolError):
+                c.sock.send(encode({"op": "error", "msg": error[:900] or "error"}))
+        elif why:
+            log.info("closing connection %d (pid %d): %s", c.cid, c.peer_pid, why)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(c.sock)
+        c.sock.close()
+        if c.said_hello:
+            self._trace_event({"ev": "disconnect", "conn": c.cid, "pid": c.peer_pid})
+        self._deliver(self.sched.drop(c.cid, time.monotonic()))
+        if not self._clients:
+            self._idle_since = time.monotonic()
+
+    def _on_event(self, rec: dict[str, Any]) -> None:
+        if rec["ev"] in ("start", "end"):
+            log.debug("%s %s job=%s seq=%s turn=%s", rec["ev"], rec["dev"], rec["job"], rec.get("seq"), rec.get("turn"))
+        self._trace_event(rec)
+
+    def _trace_event(self, rec: dict[str, Any]) -> None:
+        if self._trace is None:
+            return
+        rec = dict(rec)
+        rec.pop("now", None)
+        rec["t"] = time.time()
+        rec["daemon"] = os.getpid()
+        self._trace.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    try:
+        return float(value) if value else default
+    except ValueError:
+        return default
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m crossover.scheduler.daemon",
+        description="Node-local crossover scheduler daemon: lets the Horovod jobs on this host take turns "
+                    "on each device. Workers start it on demand; you rarely need to run it by hand.")
+    p.add_argument("--dir", default=None,
+                   help=f"directory of the socket (default: ${paths.DIR_ENV}, $XDG_RUNTIME_DIR/crossover or "
+                        "/tmp/crossover-UID)")
+    p.add_argument("--lease", type=float, default=_env_float("CROSSOVER_LEASE_S", DEFAULT_LEASE_S),
+                   help="longest a waiter waits for a turn to end, in seconds (env CROSSOVER_LEASE_S; "
+                        "default %(default)s)")
+    p.add_argument("--align-ms", type=float, default=_env_float("CROSSOVER_ALIGN_MS", DEFAULT_ALIGN_MS),
+                   help="how long an idle device is held for the job that should go next, in ms "
+                        "(env CROSSOVER_ALIGN_MS; default %(default)s; 0 turns it off)")
+    p.add_argument("--idle-exit", type=float,
+                   default=_env_float("CROSSOVER_SCHED_IDLE_EXIT", DEFAULT_IDLE_EXIT_S),
+                   help="exit after this many seconds without connections (env CROSSOVER_SCHED_IDLE_EXIT; "
+                        "default %(default)s; 0: never)")
+    p.add_argument("--trace", default=os.environ.get("CROSSOVER_SCHED_TRACE") or None,
+                   help="append scheduling events as JSON lines to this file (env CROSSOVER_SCHED_TRACE)")
+    p.add_argument("--nice", type=int, default=int(_env_float("CROSSOVER_SCHED_NICE", -5)),
+                   help="add this to the daemon's nice value if allowed (env CROSSOVER_SCHED_NICE; "
+                        "default %(default)s: answer waiting workers quickly on a busy host; 0 keeps it)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: info (default), -vv: every turn")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: run one daemon in the foreground (exit 0 if another one already serves)."""
+    args = _build_parser().parse_args(argv)
+    if args.lease <= 0:
+        _build_parser().error("--lease must be > 0")
+    logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # do not inherit a worker's pinning
+    if args.nice:
+        try:  # a tiny, latency-bound process: let it run first when a worker waits for it
+            os.setpriority(os.PRIO_PROCESS, 0, max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + args.nice)))
+        except OSError as exc:
+            log.info("cannot change the daemon's priority (%s); keeping it", exc)
+    try:
+        daemon = Daemon(args.dir or paths.default_dir(), args.lease, args.align_ms / 1e3, args.idle_exit, args.trace)
+    except paths.SchedulerDirError as exc:
+        log.error("%s", exc)
+        return 2
+    if not daemon.start():
+        log.info("another daemon already serves %s; exiting", daemon.directory)
+        return 0
+    gc.freeze()
+    try:
+        daemon.serve_forever()
+    finally:
+        daemon.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

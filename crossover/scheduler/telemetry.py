@@ -1,0 +1,241 @@
+"""Telemetry of crossover turns: per-worker JSON-lines files, a merged Chrome trace, a summary.
+
+Each worker (:class:`Recorder`) appends to ``<dir>/<job>.<member>.<pid>.jsonl``:
+
+* one ``{"type": "meta", "job", "member", "host", "dev", "pid"}`` line first;
+* ``{"type": "span", "name", "t0", "t1"}`` for every interval, ``name`` one of ``compute`` (the worker
+  holds the device), ``wait_device`` (it asked for the device and waits for its turn) and
+  ``wait_comm`` (it gave the device back while it waits on communication); times are wall-clock
+  seconds (``time.time()``), so workers on different hosts line up as well as their clocks do;
+* ``{"type": "step", "step", "t", "compute", "wait_device", "wait_comm"}`` once per training step
+  (seconds spent in each state during the step).
+
+:func:`load` reads a directory of them, :func:`chrome_trace` merges them into one Chrome trace
+(``chrome://tracing`` or https://ui.perfetto.dev; one process per job, one thread per worker),
+:func:`summarize` computes per-job step figures and per-device busy fraction and overlap, and
+:func:`format_summary` prints that as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterable
+
+__all__ = ["Recorder", "Stream", "load", "chrome_trace", "summarize", "format_summary", "merge_intervals",
+           "intersect_length", "SPAN_NAMES"]
+
+log = logging.getLogger(__name__)
+
+SPAN_NAMES = ("compute", "wait_device", "wait_comm")
+Interval = tuple[float, float]
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "_"
+
+
+class Recorder:
+    """Writes one worker's telemetry file (buffered; flushed at every step and on :meth:`close`)."""
+
+    def __init__(self, directory: str, job: str, member: str, host: str, dev: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"{_safe(job)}.{_safe(member)}.{os.getpid()}.jsonl")
+        self._f: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._write({"type": "meta", "job": job, "member": member, "host": host, "dev": dev, "pid": os.getpid()})
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def span(self, name: str, t0: float, t1: float) -> None:
+        """Record that the worker was in state ``name`` from ``t0`` to ``t1``."""
+        if t1 > t0:
+            self._write({"type": "span", "name": name, "t0": round(t0, 6), "t1": round(t1, 6)})
+
+    def step(self, step: int, t: float, compute: float, wait_device: float, wait_comm: float) -> None:
+        """Record one finished step and flush."""
+        self._write({"type": "step", "step": step, "t": round(t, 6), "compute": round(compute, 6),
+                     "wait_device": round(wait_device, 6), "wait_comm": round(wait_comm, 6)})
+        self.flush()
+
+    def flush(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.flush()
+            except OSError as exc:  # e.g. disk full: telemetry must never stop training
+                log.warning("telemetry: cannot write %s: %s; stopping telemetry", self.path, exc)
+                self._f = None
+
+    def close(self) -> None:
+        if self._f is not None:
+            self.flush()
+            if self._f is not None:
+                self._f.close()
+            self._f = None
+
+
+@dataclass
+class Stream:
+    """One worker's telemetry."""
+
+    job: str
+    member: str
+    host: str
+    dev: str
+    pid: int
+    spans: dict[str, list[Interval]] = field(default_factory=lambda: {n: [] for n in SPAN_NAMES})
+    steps: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def device_key(self) -> str:
+        return f"{self.host}/{self.dev}"
+
+
+def load(directory: str) -> list[Stream]:
+    """Read every ``*.jsonl`` telemetry file in ``directory`` (ignores torn last lines)."""
+    streams = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".jsonl"):
+            continue
+        stream: Stream | None = None
+        with open(os.path.join(directory, name), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                kind = rec.get("type")
+                if kind == "meta":
+                    stream = Stream(str(rec["job"]), str(rec["member"]), str(rec["host"]), str(rec["dev"]),
+                                    int(rec["pid"]))
+                elif stream is None:
+                    continue
+                elif kind == "span" and rec.get("name") in stream.spans:
+                    stream.spans[rec["name"]].append((float(rec["t0"]), float(rec["t1"])))
+                elif kind == "step":
+                    stream.steps.append(rec)
+        if stream is not None:
+            streams.append(stream)
+    return streams
+
+
+def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted union of intervals."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def intersect_length(x: list[Interval], y: list[Interval]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if hi > lo:
+            total += hi - lo
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _length(x: list[Interval]) -> float:
+    return sum(b - a for a, b in x)
+
+
+def chrome_trace(streams: list[Stream]) -> dict[str, Any]:
+    """One Chrome trace (JSON object format) of all workers: a process per job, a thread per worker."""
+    jobs = sorted({s.job for s in streams})
+    t_min = min((a for s in streams for ivs in s.spans.values() for a, _ in ivs), default=0.0)
+    events: list[dict[str, Any]] = []
+    for pid, job in enumerate(jobs, start=1):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"job {job}"}})
+        members = sorted((s for s in streams if s.job == job), key=lambda s: (s.member, s.pid))
+        for tid, s in enumerate(members, start=1):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                           "args": {"name": f"{s.member} on {s.device_key}"}})
+            for name, ivs in s.spans.items():
+                for a, b in ivs:
+                    events.append({"ph": "X", "name": name, "cat": "crossover", "pid": pid, "tid": tid,
+                                   "ts": round((a - t_min) * 1e6, 1), "dur": round((b - a) * 1e6, 1),
+                                   "args": {"device": s.device_key}})
+            for st in s.steps:
+                events.append({"ph": "i", "s": "t", "name": f"step {st['step']}", "pid": pid, "tid": tid,
+                               "ts": round((st["t"] - t_min) * 1e6, 1)})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"t0_unix": t_min, "source": "crossover scheduler telemetry"}}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def summarize(streams: list[Stream]) -> dict[str, Any]:
+    """Per-job step figures and per-device busy fraction, overlap and compute collisions."""
+    jobs: dict[str, Any] = {}
+    for job in sorted({s.job for s in streams}):
+        members = [s for s in streams if s.job == job]
+        steps = [st for s in members for st in s.steps]
+        n_steps = max((len(s.steps) for s in members), default=0)
+        ref = max(members, key=lambda s: len(s.steps))
+        times = [st["t"] for st in ref.steps]
+        period = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        jobs[job] = {
+            "workers": len(members), "steps": n_steps, "step_s": period,
+            "steps_per_s": 1.0 / period if period > 0 else 0.0,
+            "compute_s": _mean([st["compute"] for st in steps]),
+            "wait_device_s": _mean([st["wait_device"] for st in steps]),
+            "wait_comm_s": _mean([st["wait_comm"] for st in steps]),
+        }
+    devices: dict[str, Any] = {}
+    for key in sorted({s.device_key for s in streams}):
+        on_dev = [s for s in streams if s.device_key == key]
+        all_ivs = [iv for s in on_dev for ivs in s.spans.values() for iv in ivs]
+        if not all_ivs:
+            continue
+        span = max(b for _, b in all_ivs) - min(a for a, _ in all_ivs)
+        compute_by_job = {j: merge_intervals(iv for s in on_dev if s.job == j for iv in s.spans["compute"])
+                          for j in sorted({s.job for s in on_dev})}
+        busy = _length(merge_intervals(iv for ivs in compute_by_job.values() for iv in ivs))
+        comm_total = hidden = 0.0
+        for j in compute_by_job:
+            comm = merge_intervals(iv for s in on_dev if s.job == j for iv in s.spans["wait_comm"])
+            others = merge_intervals(iv for k, ivs in compute_by_job.items() if k != j for iv in ivs)
+            comm_total += _length(comm)
+            hidden += intersect_length(comm, others)
+        names = list(compute_by_job)
+        collide = sum(intersect_length(compute_by_job[a], compute_by_job[b])
+                      for i, a in enumerate(names) for b in names[i + 1:])
+        devices[key] = {"jobs": names, "span_s": span, "busy_s": busy,
+                        "busy_fraction": busy / span if span > 0 else 0.0,
+                        "comm_wait_s": comm_total, "comm_hidden_s": hidden,
+                        "overlap": hidden / comm_total if comm_total > 0 else 0.0,
+                        "compute_collision_s": collide}
+    return {"jobs": jobs, "devices": devices}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as two small text tables."""
+    lines = ["job            workers  steps  step ms  steps/s  compute ms  wait device ms  wait comm ms"]
+    for job, j in summary["jobs"].items():
+        lines.append(f"{job[:14]:<14} {j['workers']:>7}  {j['steps']:>5}  {j['step_s'] * 1e3:>7.1f}  "
+                     f"{j['steps_per_s']:>7.2f}  {j['compute_s'] * 1e3:>10.1f}  {j['wait_device_s'] * 1e3:>14.1f}  "
+                     f"{j['wait_comm_s'] * 1e3:>12.1f}")
+    lines.append("")
+    lines.append("device                          jobs  busy   overlap  compute collisions ms")
+    for key, d in summary["devices"].items():
+        lines.append(f"{key[:31]:<31} {len(d['jobs']):>4}  {100 * d['busy_fraction']:>4.0f}%  "
+                     f"{100 * d['overlap']:>6.0f}%  {d['compute_collision_s'] * 1e3:>20.1f}")
+    lines.append("busy: share of the time the device computed for some job; overlap: share of the jobs' "
+                 "communication waits during which another job computed on the device.")
+    return "\n".join(lines)
