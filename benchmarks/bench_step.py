@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_compression(method: str, window: int):
     """Compression object for a method name: dense, fp16, hvd-fp16, topk:CF, randomk:CF, dgc:CF,
-    adaptive, adaptive-off."""
+    redsync:CF, adaptive, adaptive:EPSILON, adaptive-off."""
     import horovod.torch as hvd
 
     from crossover import AdaptiveCompression, FP16Compression, StaticCompression
@@ -35,8 +35,9 @@ def make_compression(method: str, window: int):
         return hvd.Compression.fp16
     if method == "fp16":
         return FP16Compression()
-    if method == "adaptive":
-        return AdaptiveCompression(window=window)
+    if method == "adaptive" or method.startswith("adaptive:"):  # adaptive:EPSILON overrides epsilon
+        eps = float(method.partition(":")[2] or 0.9)
+        return AdaptiveCompression(window=window, epsilon=eps)
     if method == "adaptive-off":
         return AdaptiveCompression(enabled=False)
     name, _, cf = method.partition(":")
@@ -86,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
         for m, _, _, comp in runs:
             med = statistics.median(times[m])
             st = comp.stats() if hasattr(comp, "stats") else {}
-            ratio = (st["bytes_dense"] / st["bytes_sent"]) if st.get("bytes_sent") else 1.0
+            ratio = (st["bytes_dense"] / st["bytes_sent"]) if st.get("bytes_sent") else None  # None: not counted
             rows.append({"method": m, "median_step_s": med, "vs_first": med / dense,
                          "bytes_ratio": ratio, "cf": st.get("compression_factor")})
         print(json.dumps({"params": nparams, "size": hvd.size(), "rows": rows}), flush=True)
@@ -97,7 +98,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--methods", default="dense,fp16,topk:100,adaptive",
                         help="comma-separated: dense, fp16, hvd-fp16, topk:CF, randomk:CF, dgc:CF, "
-                             "redsync:CF, adaptive, adaptive-off (the first is the baseline)")
+                             "redsync:CF, adaptive, adaptive:EPSILON, adaptive-off (first = baseline; no repeats)")
     parser.add_argument("--params", type=int, default=12_000_000, help="model parameters (default 12 M)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
@@ -133,7 +134,8 @@ def main() -> None:
     print(f"\n{result['size']} ranks, {result['params'] / 1e6:.1f} M parameters, link {result['rate']}")
     print(f"{'method':<14}{'step ms':>10}{'vs ' + result['rows'][0]['method']:>12}{'bytes dense/sent':>18}")
     for r in result["rows"]:
-        print(f"{r['method']:<14}{1000 * r['median_step_s']:>10.1f}{r['vs_first']:>12.3f}{r['bytes_ratio']:>18.1f}")
+        ratio = "n/a" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.1f}"
+        print(f"{r['method']:<14}{1000 * r['median_step_s']:>10.1f}{r['vs_first']:>12.3f}{ratio:>18}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
