@@ -24,15 +24,16 @@ elements above the scale saturate at +-s (biased, never out of range).
 2**-16 grid, exact in float32, four elements per splitmix64 output (a fused AVX2 loop makes this
 cheap). Rounding against a 2**-16 grid moves the mean of a level by at most 2**-17 of a level
 (``scale / (s * 131072)``), zero on average over the fractional part, and integers stay exact (0
-stays 0); the float32 rounding of ``|x| * s / scale + u`` adds at most ulp(s)/2 (2**-18 of a level at
-s = 127). Both are far below the noise (standard deviation up to half a level). The same (x, scale,
+stays 0); the float32 rounding of ``|x| * s / scale + u`` adds at most half an ulp of s + 1 (2**-17 of
+a level at s = 127). Both are far below the noise (standard deviation up to half a level). The same (x, scale,
 s, seed) gives the same levels with the C kernels, with the torch fallback, on CPU and on CUDA. The
 caller must change the seed every step and give every rank its own seed (e.g. derived from (step,
 rank, tensor index)): ranks sharing a seed would round alike, and their noise would not average out.
 
 **Exact arithmetic (C and fallback give identical bits).** In float32, with
 ``mult = float32(s / scale)`` (0 when scale == 0): ``t = |x| * mult``, ``t = t + u``,
-``l = t < s ? trunc(t) : s`` (NaN and inf saturate to s), level = -l where the sign bit of x is set.
+``l = t < s ? trunc(t) : s`` (NaN and inf saturate to s), level = -l where the sign bit of x is set;
+1 <= s <= MAX_LEVELS.
 Decoding: ``value = float32(level) * float32(weight * scale / s)``, added to ``out`` when accumulating.
 
 **Packing.** b bits per element: one sign bit + (b - 1) magnitude bits, so ``s <= 2**(b-1) - 1``
@@ -106,14 +107,14 @@ CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off")
 
 MIN_BITS = 2  #: one sign bit + at least one magnitude bit
 MAX_BITS = 8  #: codes fit one uint8
-MAX_LEVELS = 2**23  #: float32 holds every level and level + u exactly enough below this
+MAX_LEVELS = 2**15 - 1  #: largest s: the float32 rounding bias (half an ulp of s + 1) stays <= 2**-9 level
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _FLT_MAX = 3.4028234663852886e38
-_CHUNK = 1 << 20  # fallback chunk (elements); a multiple of 8 so chunks start on byte boundaries
+_CHUNK = 1 << 20  # fallback chunk (elements): a multiple of 8 (byte boundaries) and 4 (random quads)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
