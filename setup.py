@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["crossover", "crossover.*", "horovod_ext", "horovod_ext.*"]),
+    package_data={"crossover.compression": ["*.c"]},  # the C kernels are compiled on first use
     install_requires=["numpy", "psutil", "torch"],
     extras_require={
         "tensorflow": ["tensorflow", "tf-keras"],

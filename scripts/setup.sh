@@ -75,7 +75,8 @@ if ! "$PY" -c 'import crossover, horovod_ext' >/dev/null 2>&1 || [ setup.py -nt 
 fi
 
 # 7. Compile crossover's C kernels now (install time) rather than in the first training step.
-"$PY" -c 'from crossover.compression.kernels import build_kernels as b; import sys; sys.exit(0 if b() else 1)' \
+"$PY" -c 'import sys; from crossover.compression.kernels import build_kernels as a
+from crossover.compression.quantize import build_quantize_kernels as b; sys.exit(0 if a() and b() else 1)' \
   || say "WARNING: the C kernels did not build; crossover falls back to slower pure-torch code"
 
 # 8. Verify the build the way Horovod users do.
