@@ -158,10 +158,14 @@ def test_error_feedback_conserves_the_gradient_sum():
     torch.testing.assert_close(received + total_resid, total_grads, rtol=0, atol=1e-3)
 
 
-def identical_decisions_job(steps):
+def identical_decisions_job(steps, csv_dir):
+    import csv
+    import os
+
     from crossover import AdaptiveCompression
 
-    comp = AdaptiveCompression("topk", window=20, cf_min=4, cf_max=256, epsilon=0.5)
+    csv_path = os.path.join(csv_dir, "gravac-{rank}.csv")
+    comp = AdaptiveCompression("topk", window=20, cf_min=4, cf_max=256, epsilon=0.5, log_csv=csv_path)
     p, opt = _param_opt(comp)
     trace = []
     for step in range(steps):
@@ -169,17 +173,24 @@ def identical_decisions_job(steps):
         s = comp.stats()
         pol = s["policy"]
         trace.append([s["compression_factor"], pol["floor_cf"], pol["candidate_cf"], pol["settled"]])
-    return {"trace": trace, "stats": {k: v for k, v in comp.stats().items() if k != "policy"}}
+    import horovod.torch as hvd
+
+    with open(csv_path.format(rank=hvd.rank())) as fh:
+        rows = list(csv.DictReader(fh))
+    return {"trace": trace, "stats": {k: v for k, v in comp.stats().items() if k != "policy"},
+            "csv_rows": len(rows), "csv_cfs": sorted({float(r["sent_cf"]) for r in rows})}
 
 
-def test_ranks_with_different_gradients_decide_identically():
-    res = run_function(identical_decisions_job, args=[220], timeout=300)
+def test_ranks_with_different_gradients_decide_identically(tmp_path):
+    res = run_function(identical_decisions_job, args=[220, str(tmp_path)], timeout=300)
     t0, t1 = res[0]["trace"], res[1]["trace"]
     assert t0 == t1
     assert len({row[0] for row in t0}) >= 2, "the compression factor should change during the run"
     for r in res:
         s = r["stats"]
         assert s["step"] == 220 and s["bytes_sent"] < s["bytes_dense"]
+        assert r["csv_rows"] == 218  # one row per observed step (observations lag two steps)
+        assert len(r["csv_cfs"]) >= 2
 
 
 def digits_job(epochs):
