@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["AdaptiveCompression", "FP16Compression", "StaticCompression", "__version__"]
+__all__ = ["AdaptiveCompression", "DqsgdCompression", "FP16Compression", "QSGDCompression", "StaticCompression",
+           "__version__"]
 
 _TORCH_NAMES = {"AdaptiveCompression", "FP16Compression", "StaticCompression"}
+_QUANT_NAMES = {"DqsgdCompression", "QSGDCompression"}
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from horovod_ext import torch_compression
 
         return getattr(torch_compression, name)
+    if name in _QUANT_NAMES:
+        from horovod_ext import torch_quantization
+
+        return getattr(torch_quantization, name)
     raise AttributeError(f"module 'crossover' has no attribute {name!r}")

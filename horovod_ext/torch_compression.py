@@ -370,13 +370,28 @@ class AdaptiveCompression(_SparseCompressionBase):
     `{rank}`, that gets one row per step.
     """
 
+    def __new__(cls, *args: Any, policy: str = "gravac", **kwargs: Any) -> Any:
+        """policy="dqsgd" gives a DqsgdCompression (quantization bits per step) instead of GraVAC."""
+        if policy == "dqsgd":
+            from .torch_quantization import DqsgdCompression
+
+            if args:
+                raise ValueError("policy='dqsgd' quantizes: it takes no compressor name")
+            try:
+                return DqsgdCompression(**kwargs)
+            except TypeError as exc:
+                raise ValueError(f"policy='dqsgd': {exc} (DQ-SGD takes total_steps, lr, error_budget, "
+                                 "target_bits, b_min, b_max, decay, error_feedback, min_compress_numel, seed, "
+                                 "transport)") from None
+        return super().__new__(cls)
+
     def __init__(self, compressor: str = "topk", *, cf_min: float = 10.0, cf_max: float = 1000.0,
                  epsilon: float = 0.9, omega: float = 0.01, window: int = 500,
                  scaling: str = "exponential", warmup_steps: int = 0, ewma_alpha: float = 0.1,
                  error_feedback: bool = True, min_compress_numel: int = 16384, enabled: bool = True,
                  seed: int = 0, log_csv: str | None = None, policy: str = "gravac") -> None:
         if policy != "gravac":
-            raise ValueError(f"policy must be 'gravac' (DQ-SGD is not implemented yet), got {policy!r}")
+            raise ValueError(f"policy must be 'gravac' or 'dqsgd', got {policy!r}")
         pol = GravacPolicy(cf_min=cf_min, cf_max=cf_max, epsilon=epsilon, omega=omega, window=window,
                            scaling=scaling, warmup_steps=warmup_steps, ewma_alpha=ewma_alpha) \
             if enabled else StaticPolicy(cf=1.0)
