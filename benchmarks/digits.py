@@ -35,7 +35,8 @@ def make_model(hidden: int = 512) -> torch.nn.Module:
 
 
 def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32, lr: float = 0.2,
-                 seed: int = 0, hidden: int = 512, momentum: float = 0.0) -> dict[str, Any]:
+                 seed: int = 0, hidden: int = 512, momentum: float = 0.0,
+                 on_step: Any = None) -> dict[str, Any]:
     """Train on this rank's shard; return accuracy, loss per epoch, dense gradient bytes and time."""
     import horovod.torch as hvd
 
@@ -64,6 +65,8 @@ def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32
             opt.step()
             total += loss.item()
             steps += 1
+            if on_step is not None:
+                on_step(steps, compression)
         model.eval()
         with torch.no_grad():
             acc = (model(xte).argmax(1) == yte).float().mean().item()
