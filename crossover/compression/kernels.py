@@ -20,18 +20,16 @@ nothing; the fallback follows torch indexing.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Tuple
 
 import torch
+
+from crossover.compression import _native
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +85,7 @@ def _compiler() -> str | None:
 
 def library_path() -> Path:
     """Where the library for the current source, flags and machine lives (built or not)."""
-    h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
-    h.update(b"\0" + " ".join(CFLAGS).encode() + b"\0" + platform.machine().encode())
-    return cache_dir() / f"crossover_kernels-{h.hexdigest()[:16]}.so"
+    return _native.library_path(cache_dir(), "crossover_kernels", SOURCE, CFLAGS)
 
 
 def build_kernels() -> str | None:
@@ -100,36 +95,7 @@ def build_kernels() -> str | None:
     except OSError as e:
         _warn_once(f"cannot read the kernel source {SOURCE}: {e}")
         return None
-    if target.is_file():
-        return str(target)
-    cc = _compiler()
-    if cc is None:
-        _warn_once("no C compiler found (cc/gcc; set $CC) to build the crossover kernels")
-        return None
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
-        os.close(fd)
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            _warn_once(f"building the crossover kernels failed ({cc}, rc {proc.returncode}): "
-                       f"{proc.stderr.strip()[-2000:]}")
-            return None
-        os.chmod(tmp, 0o755)  # mkstemp made it private; the linker may keep that mode
-        os.replace(tmp, target)
-        tmp = None
-        return str(target)
-    except (OSError, subprocess.SubprocessError) as e:
-        _warn_once(f"building the crossover kernels failed: {e}")
-        return None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    return _native.compile_library(SOURCE, target, _compiler(), CFLAGS, _warn_once, "crossover kernels")
 
 
 def _load() -> ctypes.CDLL | None:
@@ -141,15 +107,7 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         path = build_kernels()
         if path is not None:
-            try:
-                lib = ctypes.CDLL(path)
-                for name, argtypes in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes = argtypes
-                    fn.restype = ctypes.c_int
-                _lib = lib
-            except (OSError, AttributeError) as e:
-                _warn_once(f"loading the crossover kernels from {path} failed: {e}")
+            _lib = _native.load_library(path, _SIGNATURES, _warn_once, "crossover kernels")
         _lib_tried = True
         return _lib
 

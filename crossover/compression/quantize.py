@@ -66,18 +66,16 @@ outputs must not overlap, except ``residual_out``, which may be ``x``.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
 import os
-import platform
 import struct
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from crossover.compression import _native
 from crossover.compression import kernels as _K
 
 log = logging.getLogger(__name__)
@@ -149,49 +147,17 @@ def _warn_once(msg: str) -> None:
 
 def library_path() -> Path:
     """Where the quantizer library for the current source, flags and machine lives (built or not)."""
-    h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
-    h.update(b"\0" + " ".join(CFLAGS).encode() + b"\0" + platform.machine().encode())
-    return _K.cache_dir() / f"crossover_quantize-{h.hexdigest()[:16]}.so"
+    return _native.library_path(_K.cache_dir(), "crossover_quantize", SOURCE, CFLAGS)
 
 
 def build_quantize_kernels() -> str | None:
     """Compile ``_quantize.c`` into the cache unless already there; return the library path or None."""
-    import subprocess
-
     try:
         target = library_path()
     except OSError as e:
         _warn_once(f"cannot read the quantizer source {SOURCE}: {e}")
         return None
-    if target.is_file():
-        return str(target)
-    cc = _K._compiler()
-    if cc is None:
-        _warn_once("no C compiler found (cc/gcc; set $CC) to build the crossover quantizer")
-        return None
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
-        os.close(fd)
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            _warn_once(f"building the crossover quantizer failed ({cc}, rc {proc.returncode}): "
-                       f"{proc.stderr.strip()[-2000:]}")
-            return None
-        os.replace(tmp, target)
-        tmp = None
-        return str(target)
-    except (OSError, subprocess.SubprocessError) as e:
-        _warn_once(f"building the crossover quantizer failed: {e}")
-        return None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    return _native.compile_library(SOURCE, target, _K._compiler(), CFLAGS, _warn_once, "crossover quantizer")
 
 
 def _load() -> ctypes.CDLL | None:
@@ -203,15 +169,7 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         path = build_quantize_kernels()
         if path is not None:
-            try:
-                lib = ctypes.CDLL(path)
-                for name, argtypes in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes = argtypes
-                    fn.restype = ctypes.c_int
-                _lib = lib
-            except (OSError, AttributeError) as e:
-                _warn_once(f"loading the crossover quantizer from {path} failed: {e}")
+            _lib = _native.load_library(path, _SIGNATURES, _warn_once, "crossover quantizer")
         _lib_tried = True
         return _lib
 
