@@ -88,6 +88,8 @@ def worker(args: argparse.Namespace) -> None:
             med = statistics.median(times[m])
             st = comp.stats() if hasattr(comp, "stats") else {}
             ratio = (st["bytes_dense"] / st["bytes_sent"]) if st.get("bytes_sent") else None  # None: not counted
+            if m == "dense":
+                ratio = 1.0
             rows.append({"method": m, "median_step_s": med, "vs_first": med / dense,
                          "bytes_ratio": ratio, "cf": st.get("compression_factor")})
         print(json.dumps({"params": nparams, "size": hvd.size(), "rows": rows}), flush=True)
