@@ -17,5 +17,8 @@ setup(
         "benchmarks": ["matplotlib", "tqdm", "scikit-learn"],
         "test": ["pytest", "pytest-timeout", "scikit-learn"],
     },
-    entry_points={"console_scripts": ["crossover-netem=crossover.netem:main"]},
+    entry_points={"console_scripts": [
+        "crossover-netem=crossover.netem:main",
+        "crossover-run=crossover.scheduler.run:main",
+    ]},
 )

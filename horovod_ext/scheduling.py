@@ -243,8 +243,10 @@ def _synchronize_handle(handle: Any) -> Any:
     if isinstance(handle, _Done):
         return handle.output
     s = _session
-    if s is None or not s.held or not s.coordinated:
+    if s is None or not s.coordinated:
         return _orig["sync"](handle)
+    if not s.held:
+        return _wait_quietly(handle)  # e.g. a custom loop waiting between two crossover_turn() blocks
     mpi_ops = sys.modules["horovod.torch.mpi_ops"]
     if handle not in mpi_ops._handle_map or _wait_briefly(handle, s.hold_grace_s):
         return _orig["sync"](handle)

@@ -10,7 +10,9 @@ daemon dies, does not answer, or sends something invalid, the client logs a warn
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import json
 import logging
 import os
 import socket
@@ -18,10 +20,11 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from crossover.scheduler import paths
-from crossover.scheduler.protocol import SERVER_OPS, VERSION, Decoder, ProtocolError, encode
+from crossover.scheduler.protocol import CLIENT_OPS, HEADER, SERVER_OPS, VERSION, Decoder, ProtocolError, encode
 
 __all__ = ["SchedulerClient", "spawn_daemon"]
 
@@ -52,6 +55,29 @@ def spawn_daemon(directory: str, extra_args: tuple[str, ...] = ()) -> subprocess
     return proc
 
 
+@functools.lru_cache(maxsize=64)
+def _quoted(dev: str) -> str:
+    encode({"op": "release", "dev": dev}, CLIENT_OPS)  # validates the device name once
+    return json.dumps(dev)
+
+
+def _frame_acquire(req: int, dev: str, seq: int) -> bytes:
+    """The acquire frame, formatted directly (the hot path: no JSON encoder call)."""
+    body = f'{{"op":"acquire","id":{int(req)},"dev":{_quoted(dev)},"seq":{int(seq)}}}'.encode()
+    return HEADER.pack(len(body)) + body
+
+
+def _frame_release(dev: str) -> bytes:
+    body = f'{{"op":"release","dev":{_quoted(dev)}}}'.encode()
+    return HEADER.pack(len(body)) + body
+
+
+def _forget_in_child(ref: weakref.ref[SchedulerClient]) -> None:
+    client = ref()
+    if client is not None:
+        client._after_fork()
+
+
 class SchedulerClient:
     """A worker's connection to the scheduler daemon of its host (thread-safe, never raises on I/O).
 
@@ -79,6 +105,20 @@ class SchedulerClient:
         self._next_try = 0.0
         self._warned = False
         self._attached_once = False
+        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
+
+    def _after_fork(self) -> None:
+        """In a forked child (e.g. a DataLoader worker): drop the copy of the connection, never use it.
+
+        Otherwise the parent's turn would survive the parent's death as long as the child lives.
+        """
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()  # closes this process's descriptor only; the parent stays connected
+            self._sock = None
+        self.autostart = False
 
     # ------------------------------------------------------------------ connection
 
@@ -142,6 +182,8 @@ class SchedulerClient:
         return True
 
     def _maybe_reconnect(self) -> bool:
+        if os.getpid() != self._pid:
+            return False  # a forked child never talks to the daemon
         now = time.monotonic()
         if now < self._next_try:
             return False
@@ -217,7 +259,7 @@ class SchedulerClient:
             if timeout is None:
                 timeout = 4.0 * (self.lease_s or 10.0) + 5.0
             try:
-                self._send({"op": "acquire", "id": req, "dev": dev, "seq": seq})
+                self._sock.sendall(_frame_acquire(req, dev, seq))
                 self._recv_until(lambda m: m["op"] == "grant" and m["id"] == req, timeout)
             except TimeoutError:
                 self._lost(f"no grant for {dev} within {timeout:.3g} s")
@@ -233,7 +275,7 @@ class SchedulerClient:
             if self._sock is None:
                 return
             try:
-                self._send({"op": "release", "dev": dev})
+                self._sock.sendall(_frame_release(dev))
             except OSError as exc:
                 self._lost(f"lost the daemon ({exc})")
 

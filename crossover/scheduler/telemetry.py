@@ -22,8 +22,9 @@ import json
 import logging
 import os
 import re
+import statistics
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterable
+from typing import Any, Iterable
 
 __all__ = ["Recorder", "Stream", "load", "chrome_trace", "summarize", "format_summary", "merge_intervals",
            "intersect_length", "SPAN_NAMES"]
@@ -39,17 +40,22 @@ def _safe(name: str) -> str:
 
 
 class Recorder:
-    """Writes one worker's telemetry file (buffered; flushed at every step and on :meth:`close`)."""
+    """Writes one worker's telemetry file: lines gathered in memory, appended at every step and on close.
+
+    Only the process that created it writes (a forked child, e.g. a DataLoader worker, does not).
+    """
 
     def __init__(self, directory: str, job: str, member: str, host: str, dev: str) -> None:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"{_safe(job)}.{_safe(member)}.{os.getpid()}.jsonl")
-        self._f: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._pid = os.getpid()
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lines: list[str] = []
         self._write({"type": "meta", "job": job, "member": member, "host": host, "dev": dev, "pid": os.getpid()})
 
     def _write(self, rec: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        if self._fd is not None and os.getpid() == self._pid:
+            self._lines.append(json.dumps(rec, separators=(",", ":")) + "\n")
 
     def span(self, name: str, t0: float, t1: float) -> None:
         """Record that the worker was in state ``name`` from ``t0`` to ``t1``."""
@@ -63,19 +69,27 @@ class Recorder:
         self.flush()
 
     def flush(self) -> None:
-        if self._f is not None:
-            try:
-                self._f.flush()
-            except OSError as exc:  # e.g. disk full: telemetry must never stop training
-                log.warning("telemetry: cannot write %s: %s; stopping telemetry", self.path, exc)
-                self._f = None
+        """Append the gathered lines to the file (one write)."""
+        if self._fd is None or not self._lines or os.getpid() != self._pid:
+            return
+        data, self._lines = "".join(self._lines).encode(), []
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:  # e.g. disk full: telemetry must never stop training
+            log.warning("telemetry: cannot write %s: %s; stopping telemetry", self.path, exc)
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def close(self) -> None:
-        if self._f is not None:
+        """Flush and close (in the creating process only)."""
+        if os.getpid() == self._pid:
             self.flush()
-            if self._f is not None:
-                self._f.close()
-            self._f = None
+            self._close_fd()
 
 
 @dataclass
@@ -189,7 +203,7 @@ def summarize(streams: list[Stream]) -> dict[str, Any]:
         n_steps = max((len(s.steps) for s in members), default=0)
         ref = max(members, key=lambda s: len(s.steps))
         times = [st["t"] for st in ref.steps]
-        period = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        period = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
         jobs[job] = {
             "workers": len(members), "steps": n_steps, "step_s": period,
             "steps_per_s": 1.0 / period if period > 0 else 0.0,
@@ -226,7 +240,8 @@ def summarize(streams: list[Stream]) -> dict[str, Any]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as two small text tables."""
-    lines = ["job            workers  steps  step ms  steps/s  compute ms  wait device ms  wait comm ms"]
+    lines = ["job            workers  steps  step ms  steps/s  compute ms  wait device ms  wait comm ms",
+             "(step ms: median; steps/s: its inverse; the other columns: mean per step)"]
     for job, j in summary["jobs"].items():
         lines.append(f"{job[:14]:<14} {j['workers']:>7}  {j['steps']:>5}  {j['step_s'] * 1e3:>7.1f}  "
                      f"{j['steps_per_s']:>7.2f}  {j['compute_s'] * 1e3:>10.1f}  {j['wait_device_s'] * 1e3:>14.1f}  "

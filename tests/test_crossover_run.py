@@ -1,0 +1,319 @@
+"""crossover-run end to end, with real `horovodrun -np 2 -H localhost:2 --gloo` jobs.
+
+Two 2-rank jobs under the scheduler train to exactly the weights they reach alone, and their compute
+turns on the shared device ("cpu") never overlap; a job killed with SIGKILL mid-run lets the other one
+finish; a daemon killed mid-run is replaced and both jobs finish; Ctrl-C stops everything; bad command
+lines are usage errors (exit 2). Each Horovod launch takes 10-40 s here (startup dominates), about
+2-3 minutes in all on an idle 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from crossover.scheduler import telemetry
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = [sys.executable, "-m", "crossover.scheduler.run"]
+HVD = ["-np", "2", "-H", "localhost:2", "--gloo"]
+
+JOB = textwrap.dedent("""
+    import argparse, hashlib, json, os, time
+    from pathlib import Path
+
+    import torch
+    import horovod.torch as hvd
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--gate", help="wait until this folder holds N files (N = ranks of all jobs) to start together")
+    p.add_argument("--gate-n", type=int, default=4)
+    a = p.parse_args()
+    hvd.init()
+    if a.gate:  # before the optimizer exists, so no device is held while waiting
+        Path(a.gate).mkdir(parents=True, exist_ok=True)
+        (Path(a.gate) / f"{os.getpid()}").write_text("")
+        while len(list(Path(a.gate).iterdir())) < a.gate_n:
+            time.sleep(0.01)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r = hvd.rank()
+    (out / f"pid.rank{r}").write_text(str(os.getpid()))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    g = torch.Generator().manual_seed(100 + r)
+    x, y = torch.randn(256, 256, generator=g), torch.randint(0, 10, (256,), generator=g)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(a.steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if a.sleep:
+            time.sleep(a.sleep)  # more "compute" while holding the device
+        opt.step()
+        (out / f"progress.rank{r}").write_text(str(step + 1))
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.numpy().tobytes())
+    (out / f"result.rank{r}.json").write_text(json.dumps({"sha": h.hexdigest(), "loss": loss.item()}))
+    print(f"rank {r}: {a.steps} steps, loss {loss.item():.4f}")
+""")
+
+
+@pytest.fixture(scope="module")
+def work() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="xo-run-", dir="/tmp"))
+    (d / "job.py").write_text(JOB)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sched(work: Path) -> Iterator[Path]:
+    """A fresh scheduler directory (short path) whose daemons are killed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="xo-s-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        pid = _daemon_pid(d)
+        if pid:
+            _kill(pid)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _env(sched_dir: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    env["CROSSOVER_SCHED_IDLE_EXIT"] = "20"
+    if sched_dir is not None:
+        env["CROSSOVER_SCHED_TRACE"] = str(sched_dir / "trace.jsonl")
+    return env
+
+
+def _daemon_pid(d: Path) -> int | None:
+    try:
+        text = (d / "daemon.lock").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text else None
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _progress(out: Path) -> int:
+    try:
+        return min(int((out / f"progress.rank{r}").read_text() or 0) for r in range(2))
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _result(out: Path) -> str:
+    shas = {json.loads((out / f"result.rank{r}.json").read_text())["sha"] for r in range(2)}
+    assert len(shas) == 1, "ranks disagree"
+    return shas.pop()
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        return subprocess.Popen(RUN + args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(log.parent),
+                                start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        raise AssertionError(f"crossover-run hung; output:\n{log.read_text()}") from None
+
+
+def _until(cond, timeout: float, what: str, log: Path) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; output:\n{log.read_text()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def alone_sha(work: Path) -> str:
+    """The weights one 2-rank job reaches alone (no scheduler)."""
+    out = work / "alone"
+    log = work / "alone.log"
+    proc = _start(["--no-crossover", *HVD, "job.py", "--out", str(out)], _env(), log)
+    assert _wait(proc, log) == 0, log.read_text()
+    return _result(out)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("argv", [[], ["-np", "2"], ["-np", "2", "--bogus", "job.py"], ["-np", "2", "nosuch.py"],
+                                  ["-np", "2", "job.py", "--", "--", "job.py"]],
+                         ids=["nothing", "no-job", "unknown-option", "missing-script", "empty-job"])
+def test_bad_command_lines_are_usage_errors(argv: list[str], work: Path) -> None:
+    r = subprocess.run(RUN + argv, env=_env(), cwd=str(work), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r
+    assert "usage: crossover-run" in r.stderr and "error:" in r.stderr
+
+
+def test_help_and_dry_run(work: Path) -> None:
+    r = subprocess.run(RUN + ["--help"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for opt in ("-np", "--hostfile", "--gloo", "--mpi", "--network-interfaces", "--no-crossover", "--dry-run",
+                "--fail-fast", "--weights", "--lease", "--timeline"):
+        assert opt in r.stdout
+    r = subprocess.run(RUN + ["--dry-run", "-np", "2", "-H", "h1:1,h2:1", "job.py", "--lr", "0.1", "--",
+                              "job.py", "--epochs", "5"], env=_env(), cwd=str(work), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2
+    assert "CROSSOVER_JOB=job0" in lines[0] and "horovodrun -np 2 -H h1:1,h2:1" in lines[0]
+    assert lines[0].endswith("-m crossover.scheduler.launch job.py --lr 0.1")
+    assert lines[1].endswith("-m crossover.scheduler.launch job.py --epochs 5")
+
+
+# --------------------------------------------------------------------------- real jobs
+
+
+def test_two_jobs_take_turns_and_match_running_alone(work: Path, sched: Path, alone_sha: str) -> None:
+    tel = work / "tel-ok"
+    outs = [work / "ok0", work / "ok1"]
+    log = work / "ok.log"
+    proc = _start([*HVD, "--sched-dir", str(sched), "--telemetry-dir", str(tel), "--lease", "30",
+                   "job.py", "--out", str(outs[0]), "--gate", str(work / "gate-ok"), "--",
+                   "job.py", "--out", str(outs[1]), "--gate", str(work / "gate-ok")], _env(sched), log)
+    assert _wait(proc, log) == 0, log.read_text()
+    assert _result(outs[0]) == alone_sha and _result(outs[1]) == alone_sha
+    text = log.read_text()
+    assert "[job0]" in text and "[job1]" in text and "busy" in text and (tel / "timeline.json").exists()
+
+    # The daemon's log: turns on the device follow one another, never two at once, both jobs served.
+    events = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
+    open_turn: dict[str, str] = {}
+    turns = []
+    for e in events:
+        if e["ev"] == "start":
+            assert e["dev"] not in open_turn, f"turn of {e['job']} started during one of {open_turn[e['dev']]}"
+            open_turn[e["dev"]] = e["job"]
+            turns.append(e["job"])
+        elif e["ev"] == "end":
+            assert open_turn.pop(e["dev"]) == e["job"]
+        assert e.get("why") != "lease expired"
+    assert turns.count("job0") >= 20 and turns.count("job1") >= 20
+    assert sum(a != b for a, b in zip(turns, turns[1:])) >= 20  # they alternate
+
+    # The ranks' own clocks: compute spans of the two jobs on the device never intersect.
+    streams = telemetry.load(str(tel))
+    assert len(streams) == 4 and {s.device_key for s in streams} == {"localhost/cpu"}
+    compute = {j: telemetry.merge_intervals(iv for s in streams if s.job == j for iv in s.spans["compute"])
+               for j in ("job0", "job1")}
+    assert sum(len(v) for v in compute.values()) >= 40
+    assert telemetry.intersect_length(compute["job0"], compute["job1"]) == 0.0
+    summary = json.loads((tel / "summary.json").read_text())
+    assert summary["devices"]["localhost/cpu"]["compute_collision_s"] == 0.0
+    assert summary["jobs"]["job0"]["steps"] == 40
+
+
+def test_sigkill_one_job_the_other_finishes(work: Path, sched: Path, alone_sha: str) -> None:
+    outs = [work / "k0", work / "k1"]
+    log = work / "kill-job.log"
+    proc = _start([*HVD, "--sched-dir", str(sched), "--lease", "60",
+                   "job.py", "--out", str(outs[0]), "--steps", "400", "--sleep", "0.02", "--",
+                   "job.py", "--out", str(outs[1]), "--sleep", "0.02"], _env(sched), log)
+    try:
+        _until(lambda: _progress(outs[0]) >= 5 and _progress(outs[1]) >= 5, 180, "both jobs running", log)
+        before = _progress(outs[1])
+        for r in range(2):
+            _kill(int((outs[0] / f"pid.rank{r}").read_text()))
+        code = _wait(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code != 0  # job0 failed
+    assert _progress(outs[1]) > before
+    assert _result(outs[1]) == alone_sha and not (outs[0] / "result.rank0.json").exists()
+    text = log.read_text()
+    assert "job1 exited with 0" in text and "job0=0" not in text
+    # the killed job's turn ended when its sockets closed, not by the 60 s lease
+    events = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
+    assert not any(e.get("why") == "lease expired" for e in events)
+
+
+def test_daemon_killed_mid_run_both_finish_and_a_new_one_takes_over(work: Path, sched: Path,
+                                                                    alone_sha: str) -> None:
+    outs = [work / "d0", work / "d1"]
+    log = work / "kill-daemon.log"
+    proc = _start([*HVD, "--sched-dir", str(sched), "job.py", "--out", str(outs[0]), "--sleep", "0.08", "--",
+                   "job.py", "--out", str(outs[1]), "--sleep", "0.08"], _env(sched), log)
+    try:
+        _until(lambda: _progress(outs[0]) >= 5 and _progress(outs[1]) >= 5, 180, "both jobs running", log)
+        first = _daemon_pid(sched)
+        assert first is not None
+        _kill(first)
+        code = _wait(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text
+    assert _result(outs[0]) == alone_sha and _result(outs[1]) == alone_sha
+    assert "continuing uncoordinated" in text and "re-attached" in text
+    events = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
+    later = {e["job"] for e in events if e["ev"] == "start" and e["daemon"] != first}
+    assert later == {"job0", "job1"}, "the new daemon did not coordinate both jobs"
+
+
+def test_ctrl_c_stops_every_job(work: Path, sched: Path) -> None:
+    outs = [work / "c0", work / "c1"]
+    log = work / "ctrl-c.log"
+    proc = _start([*HVD, "--sched-dir", str(sched), "--grace", "5", "job.py", "--out", str(outs[0]),
+                   "--steps", "100000", "--", "job.py", "--out", str(outs[1]), "--steps", "100000"],
+                  _env(sched), log)
+    try:
+        _until(lambda: _progress(outs[0]) >= 2 and _progress(outs[1]) >= 2, 180, "both jobs running", log)
+        pids = [int((o / f"pid.rank{r}").read_text()) for o in outs for r in range(2)]
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"ranks still alive after Ctrl-C: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.1)

@@ -1,0 +1,316 @@
+"""Unit tests of the crossover scheduler's pieces, without processes: protocol, policy, paths, telemetry,
+and crossover-run's command-line planning."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+
+import pytest
+
+from crossover.scheduler import paths, protocol, run, telemetry
+from crossover.scheduler.policy import Scheduler, StateError
+from crossover.scheduler.protocol import CLIENT_OPS, SERVER_OPS, Decoder, ProtocolError, encode
+
+# --------------------------------------------------------------------------- protocol
+
+
+def frame(body: bytes) -> bytes:
+    return struct.pack("!I", len(body)) + body
+
+
+def test_roundtrip_and_partial_frames() -> None:
+    msgs = [{"op": "hello", "v": 1, "job": "job0", "member": "rank0", "weight": 1.0, "pid": 42},
+            {"op": "acquire", "id": 1, "dev": "cpu0", "seq": 0},
+            {"op": "release", "dev": "cpu0"}, {"op": "ping", "id": 7}, {"op": "status", "id": 8}]
+    data = b"".join(encode(m, CLIENT_OPS) for m in msgs)
+    d = Decoder(CLIENT_OPS)
+    out = []
+    for i in range(len(data)):  # one byte at a time
+        out += d.feed(data[i:i + 1])
+    assert out == msgs and d.pending == 0
+    assert Decoder(CLIENT_OPS).feed(data) == msgs  # all at once
+    grant = {"op": "grant", "id": 3, "dev": "cuda0", "turn": 9, "waited_us": 120}
+    assert Decoder(SERVER_OPS).feed(encode(grant, SERVER_OPS)) == [grant]
+
+
+BAD_BODIES = [
+    b"not json", b"[1, 2]", b'"text"', b"{}", b'{"op": 5}', b'{"op": "fly"}', b'{"op": "grant", "id": 1}',
+    b'{"op": "ping"}', b'{"op": "ping", "id": 1, "x": 2}', b'{"op": "ping", "id": true}',
+    b'{"op": "ping", "id": 1.5}', b'{"op": "ping", "id": -1}', b'{"op": "ping", "id": 9007199254740992}',
+    b'{"op": "ping", "id": "1"}', b'{"op": "ping", "id": 1, "id": 2}', b'{"op": "ping", "id": NaN}',
+    b'{"op": "release", "dev": ""}', b'{"op": "release", "dev": "a\\u0000b"}', b'{"op": "release", "dev": ["x"]}',
+    b'{"op": "release", "dev": "' + b"x" * 201 + b'"}',
+    b'{"op": "hello", "v": 2, "job": "j", "member": "m", "weight": 1, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 0, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 1e400, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": Infinity, "pid": 1}',
+    b"\xff\xfe{}", b"[" * 3000 + b"]" * 3000, b'{"op": "acquire", "id": 1, "dev": "c", "seq": null}',
+]
+
+
+@pytest.mark.parametrize("body", BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_rejects_invalid_messages(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        Decoder(CLIENT_OPS).feed(frame(body))
+
+
+def test_rejects_bad_lengths() -> None:
+    with pytest.raises(ProtocolError):
+        Decoder(CLIENT_OPS).feed(struct.pack("!I", 0))
+    with pytest.raises(ProtocolError):
+        Decoder(CLIENT_OPS).feed(struct.pack("!I", protocol.MAX_MESSAGE + 1) + b"{")
+    with pytest.raises(ProtocolError):
+        encode({"op": "error", "msg": "x" * (protocol.MAX_MESSAGE + 10)})
+    assert Decoder(CLIENT_OPS).feed(struct.pack("!I", 10) + b"{") == []  # incomplete: waits
+
+
+def test_server_messages_do_not_pass_as_client_ones() -> None:
+    with pytest.raises(ProtocolError):
+        Decoder(CLIENT_OPS).feed(encode({"op": "pong", "id": 1}))
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def sched(**kw: object) -> tuple[Scheduler, list[dict]]:
+    events: list[dict] = []
+    s = Scheduler(on_event=events.append, **kw)  # type: ignore[arg-type]
+    return s, events
+
+
+def granted(grants: list, conn: int | None = None) -> list[int]:
+    return sorted(g.conn for g in grants if conn is None or g.conn == conn)
+
+
+def test_two_jobs_alternate_strictly() -> None:
+    s, _ = sched(align_s=0)
+    s.hello(1, "A", "a0", 1.0, 1)
+    s.hello(2, "B", "b0", 1.0, 2)
+    now = 0.0
+    assert granted(s.acquire(1, "cpu", 0, 1, now)) == [1]
+    assert s.acquire(2, "cpu", 0, 1, now) == []
+    order = []
+    seq = {1: 0, 2: 0}
+    holder = 1
+    for _ in range(10):  # the holder releases, then asks again at once: the other one must go first
+        now += 1
+        order.append(holder)
+        grants = s.release(holder, "cpu", now)
+        seq[holder] += 1
+        assert s.acquire(holder, "cpu", seq[holder], 2, now) == []
+        (g,) = grants
+        holder = g.conn
+    assert order == [1, 2] * 5
+
+
+def test_three_jobs_round_robin_and_weights() -> None:
+    s, _ = sched(align_s=0)
+    for c, j in ((1, "A"), (2, "B"), (3, "C")):
+        s.hello(c, j, f"{j}0", 2.0 if j == "A" else 1.0, c)
+    now, seq = 0.0, {1: 0, 2: 0, 3: 0}
+    s.acquire(1, "gpu0", 0, 0, now)
+    s.acquire(2, "gpu0", 0, 0, now)
+    s.acquire(3, "gpu0", 0, 0, now)
+    holder, order = 1, []
+    for _ in range(12):
+        now += 1
+        order.append("ABC"[holder - 1])
+        (g,) = s.release(holder, "gpu0", now)
+        seq[holder] += 1
+        s.acquire(holder, "gpu0", seq[holder], 0, now)
+        holder = g.conn
+    # weight 2 for A: A gets two turns for each turn of B and of C
+    assert order.count("A") == 6 and order.count("B") == 3 and order.count("C") == 3
+
+
+def test_members_of_one_job_share_a_turn() -> None:
+    s, events = sched(align_s=0)
+    s.hello(1, "A", "a0", 1.0, 1)
+    s.hello(2, "A", "a1", 1.0, 2)
+    s.hello(3, "B", "b0", 1.0, 3)
+    assert granted(s.acquire(1, "cpu", 0, 1, 0.0)) == [1]
+    assert granted(s.acquire(2, "cpu", 0, 1, 0.1)) == [2]  # same job, same step: joins
+    assert s.acquire(3, "cpu", 0, 1, 0.2) == []
+    assert s.release(1, "cpu", 0.3) == []  # a1 still computes
+    assert s.acquire(1, "cpu", 1, 2, 0.4) == []  # next step of A waits for B
+    assert granted(s.release(2, "cpu", 0.5)) == [3]
+    assert s.acquire(2, "cpu", 1, 2, 0.6) == []
+    assert granted(s.release(3, "cpu", 0.7)) == [1, 2]  # both A ranks at once
+    assert [e["ev"] for e in events if e["ev"] in ("start", "end")] == ["start", "end", "start", "end", "start"]
+
+
+def test_rejoin_only_when_nobody_else_waits() -> None:
+    s, _ = sched(align_s=0)
+    s.hello(1, "A", "a0", 1.0, 1)
+    s.hello(2, "A", "a1", 1.0, 2)
+    s.hello(3, "B", "b0", 1.0, 3)
+    s.acquire(1, "cpu", 5, 1, 0.0)
+    s.acquire(2, "cpu", 5, 1, 0.0)
+    s.release(1, "cpu", 0.1)
+    assert granted(s.acquire(1, "cpu", 5, 2, 0.2)) == [1]  # same step again, no one waits: fine
+    s.release(1, "cpu", 0.3)
+    s.acquire(3, "cpu", 0, 1, 0.4)
+    assert s.acquire(1, "cpu", 5, 3, 0.5) == []  # B waits now: a0 must queue behind it
+
+
+def test_lease_expiry_hands_over_and_ignores_late_release() -> None:
+    s, events = sched(lease_s=2.0, align_s=0)
+    s.hello(1, "A", "a0", 1.0, 1)
+    s.hello(2, "B", "b0", 1.0, 2)
+    s.acquire(1, "cpu", 0, 1, 0.0)
+    assert s.tick(100.0) == []  # nobody waits: the holder may keep the device
+    assert s.acquire(2, "cpu", 0, 1, 100.0) == []
+    assert s.next_deadline() == pytest.approx(102.0)
+    assert s.tick(101.9) == []
+    assert granted(s.tick(102.0)) == [2]  # a waiter waits at most lease_s
+    assert any(e["ev"] == "end" and e["why"] == "lease expired" for e in events)
+    assert s.release(1, "cpu", 103.0) == []  # late release of the expired turn: ignored
+    assert s.snapshot(103.0)["devices"]["cpu"]["turn"]["job"] == "B"
+    assert s.acquire(1, "cpu", 1, 2, 103.0) == []  # A waits for B like anyone
+    assert granted(s.release(2, "cpu", 104.0)) == [1]
+
+
+def test_disconnect_releases_and_cancels() -> None:
+    s, _ = sched(align_s=0)
+    s.hello(1, "A", "a0", 1.0, 1)
+    s.hello(2, "B", "b0", 1.0, 2)
+    s.hello(3, "C", "c0", 1.0, 3)
+    s.acquire(1, "cpu", 0, 1, 0.0)
+    s.acquire(2, "cpu", 0, 1, 0.0)
+    s.acquire(3, "cpu", 0, 1, 0.0)
+    assert s.drop(2, 0.1) == []  # a waiter leaves
+    assert granted(s.drop(1, 0.2)) == [3]  # the holder dies: the next one goes at once
+    assert granted(s.drop(3, 0.3)) == []
+    assert s.snapshot(0.3)["devices"] == {}
+
+
+def test_alignment_holds_an_idle_device_briefly_for_the_job_due_next() -> None:
+    s, events = sched(align_s=0.002)
+    s.hello(1, "A", "a0", 1.0, 1)
+    s.hello(2, "B", "b0", 1.0, 2)
+    s.acquire(1, "cpu", 0, 1, 0.0)
+    s.acquire(2, "cpu", 0, 1, 0.0)
+    s.release(1, "cpu", 1.0)  # A's turn ends, B's starts
+    s.release(2, "cpu", 2.0)  # B's ends: device idle, both communicate; A is due next (A < B)
+    assert s.acquire(2, "cpu", 1, 2, 3.0) == []  # B is back first: held for A
+    assert any(e["ev"] == "hold" for e in events)
+    assert granted(s.acquire(1, "cpu", 1, 2, 3.001)) == [1]  # A arrives within the window
+    s.release(1, "cpu", 4.0)
+    s.release(2, "cpu", 4.5)
+    assert s.acquire(2, "cpu", 2, 3, 5.0) == []  # B waits again ...
+    assert s.next_deadline() == pytest.approx(5.002)
+    assert granted(s.tick(5.0021)) == [2]  # ... but at most align_s
+
+
+def test_new_job_starts_level_and_state_errors() -> None:
+    s, _ = sched(align_s=0)
+    s.hello(1, "A", "a0", 1.0, 1)
+    for i in range(5):
+        s.acquire(1, "cpu", i, i, float(i))
+        s.release(1, "cpu", i + 0.5)
+    s.hello(2, "B", "b0", 1.0, 2)
+    s.acquire(2, "cpu", 0, 1, 10.0)
+    assert s.snapshot(10.0)["devices"]["cpu"]["vtime"] == {"A": 5.0, "B": 5.0}
+    with pytest.raises(StateError):
+        s.acquire(3, "cpu", 0, 1, 10.0)  # no hello
+    s.hello(3, "C", "c0", 1.0, 3)
+    s.acquire(3, "cpu", 0, 1, 10.0)
+    with pytest.raises(StateError):
+        s.acquire(3, "cpu", 0, 2, 10.0)  # already waiting
+    with pytest.raises(StateError):
+        s.hello(3, "C", "c0", 1.0, 3)
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def test_secure_dir(tmp_path, monkeypatch) -> None:
+    d = str(tmp_path / "s")
+    assert paths.secure_dir(d) == d
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    os.chmod(d, 0o755)
+    paths.secure_dir(d)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700  # tightened
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    with pytest.raises(paths.SchedulerDirError):
+        paths.secure_dir(str(link))
+    with pytest.raises(paths.SchedulerDirError):
+        paths.secure_dir(str(tmp_path / ("x" * 120)))  # socket path too long
+    if os.geteuid() == 0:
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        os.chown(other, 65534, 65534)
+        with pytest.raises(paths.SchedulerDirError):
+            paths.secure_dir(str(other))
+    monkeypatch.setenv("CROSSOVER_SCHED_DIR", str(tmp_path / "h-{host}-{uid}"))
+    monkeypatch.setenv("HOROVOD_HOSTNAME", "node7")
+    assert paths.default_dir() == str(tmp_path / f"h-node7-{os.geteuid()}")
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+def test_intervals() -> None:
+    x = telemetry.merge_intervals([(0, 1), (0.5, 2), (3, 4)])
+    assert x == [(0, 2), (3, 4)]
+    assert telemetry.intersect_length(x, [(1, 3.5)]) == pytest.approx(1.5)
+
+
+def test_summary_and_trace(tmp_path) -> None:
+    # job A computes [0,1) [2,3); job B computes [1,2) [3,4); each waits on communication meanwhile
+    for job, offset in (("A", 0.0), ("B", 1.0)):
+        r = telemetry.Recorder(str(tmp_path), job, "rank0", "h", "cpu0")
+        for k in range(2):
+            t = offset + 2 * k
+            r.span("compute", t, t + 1)
+            r.span("wait_comm", t + 1, t + 2)
+            r.step(k, t + 2, 1.0, 0.0, 1.0)
+        r.close()
+    streams = telemetry.load(str(tmp_path))
+    s = telemetry.summarize(streams)
+    dev = s["devices"]["h/cpu0"]
+    assert dev["busy_fraction"] == pytest.approx(0.8)  # busy 4 s of a 5 s span
+    assert dev["compute_collision_s"] == 0
+    assert dev["overlap"] == pytest.approx(3 / 4)  # B's last wait and A's... see intervals
+    assert s["jobs"]["A"]["step_s"] == pytest.approx(2.0)
+    trace = telemetry.chrome_trace(streams)
+    json.dumps(trace)
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == {"compute", "wait_comm"}
+    assert "A" in telemetry.format_summary(s)
+
+
+# --------------------------------------------------------------------------- crossover-run planning
+
+
+def test_plan_jobs(tmp_path) -> None:
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("")
+    b.write_text("")
+    args, jobs = run.plan_jobs(["-np", "2", "-H", "h1:1,h2:1", "--gloo", str(a), "--lr", "0.1", "--",
+                                str(b), "--epochs", "5", "--", "-m", "pkg.mod", "-x"])
+    assert [j.name for j in jobs] == ["job0", "job1", "job2"]
+    hvd = jobs[0].argv[:6]
+    assert hvd[1:] == ["-np", "2", "-H", "h1:1,h2:1", "--gloo"]
+    assert jobs[0].argv[6:] == [jobs[0].argv[6], "-m", "crossover.scheduler.launch", str(a), "--lr", "0.1"]
+    assert jobs[2].argv[-5:] == ["-m", "crossover.scheduler.launch", "-m", "pkg.mod", "-x"]
+    assert jobs[1].env["CROSSOVER_JOB"] == "job1" and jobs[1].env["CROSSOVER_SCHED"] == "1"
+    _, plain = run.plan_jobs(["-np", "2", "--no-crossover", str(a)])
+    assert "crossover.scheduler.launch" not in plain[0].argv and plain[0].env["CROSSOVER_SCHED"] == "0"
+
+
+@pytest.mark.parametrize("argv", [[], ["-np", "2"], ["-np", "2", "--bogus", "a.py"], ["-np", "2", "missing.py"],
+                                  ["a.py"], ["-np", "2", "A", "--", ""], ["-np", "2", "A", "--", "--"],
+                                  ["-np", "2", "--weights", "1,x", "A"], ["-np", "2", "--gloo", "--mpi", "A"],
+                                  ["-np", "2", "A", "--", "-m"]])
+def test_plan_usage_errors(argv, tmp_path, capsys) -> None:
+    script = tmp_path / "a.py"
+    script.write_text("")
+    argv = [str(script) if x == "A" else x for x in argv]
+    with pytest.raises(SystemExit) as exc:
+        run.plan_jobs(argv)
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
