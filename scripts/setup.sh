@@ -69,9 +69,11 @@ if [ "${CROSSOVER_REBUILD:-0}" = "1" ] || ! have_hvd "${HVD_ARGS[@]}"; then
 fi
 
 # 6. crossover itself, editable, without touching the dependencies installed above.
-if ! "$PY" -c 'import crossover, horovod_ext' >/dev/null 2>&1 || [ setup.py -nt .venv/.crossover-installed ]; then
+# The marker lives in the environment itself (sys.prefix), so any venv/conda env works.
+MARKER="$("$PY" -c 'import sys; print(sys.prefix)')/.crossover-installed"
+if ! "$PY" -c 'import crossover, horovod_ext' >/dev/null 2>&1 || [ setup.py -nt "$MARKER" ]; then
   "${PIP[@]}" install -q --no-deps --no-build-isolation -e .
-  mkdir -p .venv && touch .venv/.crossover-installed
+  touch "$MARKER"
 fi
 
 # 7. Compile crossover's C kernels now (install time) rather than in the first training step.

@@ -341,41 +341,6 @@ def test_ten_thousand_malformed_messages(sched_dir: str) -> None:
     print(f"\n10 000 malformed messages sent; the good client did {cycles[0]} acquire/release cycles meanwhile")
 
 
-# --------------------------------------------------------------------------- latency (measured, not asserted)
-
-
-def test_round_trip_time_is_measured(sched_dir: str) -> None:
-    code = textwrap.dedent(f"""
-        import json, os, sys, time
-        if sys.argv[1] == "pin":
-            os.sched_setaffinity(0, {{0}})  # the daemon this process starts inherits it, as from a pinned rank
-        from crossover.scheduler.client import SchedulerClient
-        c = SchedulerClient("A", "r0", directory={sched_dir!r} + "/" + sys.argv[1])
-        assert c.connect(wait=20)
-        times = []
-        for seq in range(3000):
-            t0 = time.perf_counter()
-            c.acquire("cpu0", seq)
-            c.release("cpu0")
-            times.append(time.perf_counter() - t0)
-        times = sorted(times[500:])
-        print(json.dumps([times[len(times) // 2], times[int(len(times) * 0.99)], times[-1], c.daemon_pid]))
-    """)
-    figures = {}
-    for mode in ("pin", "nopin"):
-        r = subprocess.run([sys.executable, "-c", code, mode], env=ENV, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        p50, p99, top, pid = json.loads(r.stdout.strip().splitlines()[-1])
-        os.kill(pid, signal.SIGTERM)
-        figures[mode] = (p50, p99, top)
-        assert p50 < 1.0  # sanity only: the figures depend on the machine's load
-    load = os.getloadavg()[0]
-    print(f"\nacquire+release round trip over 2500 cycles (load average {load:.2f}):")
-    for mode, (p50, p99, top) in figures.items():
-        where = "worker and daemon on core 0" if mode == "pin" else "unpinned"
-        print(f"  {where}: p50 {p50 * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us, max {top * 1e6:.0f} us")
-
-
 # --------------------------------------------------------------------------- glue (no Horovod job)
 
 
