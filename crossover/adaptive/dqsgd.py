@@ -76,6 +76,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from crossover.adaptive._state import check_saved_state
+
 __all__ = [
     "VARIANCE_BOUNDS",
     "BitsPlan",
@@ -406,14 +408,7 @@ class DqsgdPolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported DqsgdPolicy state version {state.get('version')!r}")
-        saved = dict(state["config"])
-        mine = self.config
-        diff = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
-        if diff:
-            detail = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
-            raise ValueError(f"state_dict config differs from this policy's: {detail}")
+        check_saved_state("DqsgdPolicy", state, _STATE_VERSION, self.config)
         self._T = int(state["total_steps"])
         self._next_step = int(state["next_step"])
         self._sq_norm = None if state["grad_sq_norm"] is None else float(state["grad_sq_norm"])

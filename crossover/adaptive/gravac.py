@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from crossover.adaptive._state import check_saved_state
+
 __all__ = ["SCALINGS", "GravacPolicy", "Plan", "StepStats"]
 
 #: Names accepted for ``scaling``: how the candidate step CF_s grows each window.
@@ -435,14 +437,7 @@ class GravacPolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported GravacPolicy state version {state.get('version')!r}")
-        saved = dict(state["config"])
-        mine = self.config
-        diff = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
-        if diff:
-            detail = ", ".join(f"{k}: saved {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff)
-            raise ValueError(f"state_dict config differs from this policy's: {detail}")
+        check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
         self._s = _State(
             floor=float(state["floor"]),
             scale=float(state["scale"]),

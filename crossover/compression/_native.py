@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -70,3 +71,26 @@ def load_library(path: str, signatures: Mapping[str, list], warn: Warn, what: st
     except (OSError, AttributeError) as e:
         warn(f"loading the {what} from {path} failed: {e}")
         return None
+
+
+class LazyLibrary:
+    """A C library built and loaded on first use, once per process (thread-safe); None if that failed."""
+
+    def __init__(self, build: Callable[[], str | None], signatures: Mapping[str, list], warn: Warn,
+                 what: str) -> None:
+        self._build, self._signatures, self._warn, self._what = build, signatures, warn, what
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library, building it the first time."""
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                path = self._build()
+                if path is not None:
+                    self._lib = load_library(path, self._signatures, self._warn, self._what)
+                self._tried = True
+            return self._lib

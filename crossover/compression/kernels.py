@@ -23,7 +23,6 @@ import ctypes
 import logging
 import os
 import shutil
-import threading
 from pathlib import Path
 from typing import Tuple
 
@@ -37,9 +36,6 @@ SOURCE = Path(__file__).with_name("_kernels.c")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99")
 _MAX_NUMEL = 2**31 - 1  # indices are int32
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_tried = False
 _warned = False
 _enabled = True
 
@@ -98,18 +94,11 @@ def build_kernels() -> str | None:
     return _native.compile_library(SOURCE, target, _compiler(), CFLAGS, _warn_once, "crossover kernels")
 
 
+_LIBRARY = _native.LazyLibrary(build_kernels, _SIGNATURES, _warn_once, "crossover kernels")
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _lib_tried
-    if _lib_tried:
-        return _lib
-    with _lock:
-        if _lib_tried:
-            return _lib
-        path = build_kernels()
-        if path is not None:
-            _lib = _native.load_library(path, _SIGNATURES, _warn_once, "crossover kernels")
-        _lib_tried = True
-        return _lib
+    return _LIBRARY.get()
 
 
 def use_kernels(enabled: bool = True) -> None:

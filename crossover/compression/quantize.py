@@ -70,7 +70,6 @@ import logging
 import math
 import os
 import struct
-import threading
 from pathlib import Path
 
 import torch
@@ -114,9 +113,6 @@ _MIX2 = 0x94D049BB133111EB
 _FLT_MAX = 3.4028234663852886e38
 _CHUNK = 1 << 20  # fallback chunk (elements): a multiple of 8 (byte boundaries) and 4 (random quads)
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_tried = False
 _warned = False
 _enabled = True
 
@@ -160,18 +156,11 @@ def build_quantize_kernels() -> str | None:
     return _native.compile_library(SOURCE, target, _K._compiler(), CFLAGS, _warn_once, "crossover quantizer")
 
 
+_LIBRARY = _native.LazyLibrary(build_quantize_kernels, _SIGNATURES, _warn_once, "crossover quantizer")
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _lib_tried
-    if _lib_tried:
-        return _lib
-    with _lock:
-        if _lib_tried:
-            return _lib
-        path = build_quantize_kernels()
-        if path is not None:
-            _lib = _native.load_library(path, _SIGNATURES, _warn_once, "crossover quantizer")
-        _lib_tried = True
-        return _lib
+    return _LIBRARY.get()
 
 
 def use_kernels(enabled: bool = True) -> None:

@@ -1,0 +1,17 @@
+"""Checks shared by the policies' ``load_state_dict``: a saved state must match the policy restoring it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def check_saved_state(kind: str, state: Mapping[str, Any], version: int, config: Mapping[str, Any]) -> None:
+    """Raise ValueError unless ``state`` has ``version`` and was saved with exactly ``config``."""
+    if state.get("version") != version:
+        raise ValueError(f"unsupported {kind} state version {state.get('version')!r}")
+    saved = dict(state["config"])
+    diff = sorted(k for k in set(config) | set(saved) if saved.get(k) != config.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: saved {saved.get(k)!r} vs {config.get(k)!r}" for k in diff)
+        raise ValueError(f"state_dict config differs from this policy's: {detail}")
