@@ -22,7 +22,6 @@ import csv
 import dataclasses
 import logging
 import math
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,33 +34,12 @@ from crossover.adaptive.gravac import GravacPolicy, StepStats
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression import cost_model, kernels
 from crossover.compression.selectors import Selector, apply_mask, k_for, make_selector
+from horovod_ext._hook import GradientKeys, hook_caller
 
 __all__ = ["AdaptiveCompression", "FP16Compression", "StaticCompression"]
 
 log = logging.getLogger(__name__)
 _STATE_VERSION = 1
-
-
-def _param_name(tensor: torch.Tensor) -> tuple[str | None, Any]:
-    """Horovod's name for the parameter whose gradient is `tensor`, and the calling optimizer.
-
-    Looks at the frames of `_allreduce_grad_async(self, p)` / `_grouped_allreduce_grad_async`
-    (Horovod 0.28.1); returns (None, None) when called from elsewhere.
-    """
-    frame = sys._getframe(2)
-    param = None
-    for _ in range(4):
-        if frame is None:
-            break
-        loc = frame.f_locals
-        p = loc.get("p")
-        if param is None and isinstance(p, torch.Tensor) and (p.grad is tensor or loc.get("tensor") is tensor):
-            param = p
-        opt = loc.get("self")
-        if param is not None and hasattr(opt, "_parameter_names"):
-            return opt._parameter_names.get(param), opt
-        frame = frame.f_back
-    return None, None
 
 
 @dataclass
@@ -119,10 +97,9 @@ class _SparseCompressionBase:
         self._phase = "idle"  # "compress" during backward, "decompress" during synchronize
         self._cur: _StepAccum | None = None
         self._pending: _StepAccum | None = None  # a finished step waiting for its step time
-        self._ordinal = 0
+        self._keys = GradientKeys()
         self._step_start: float | None = None
         self._last_step_time = 0.0
-        self._names_seen: set[str] = set()
 
     def reset(self) -> None:
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
@@ -139,8 +116,7 @@ class _SparseCompressionBase:
         plan = self.policy.plan()
         self._cur = _StepAccum(sent_cf=plan.send_cf, probes=tuple(plan.probe_cfs))
         self._cur.probe_sq = [0.0] * len(self._cur.probes)
-        self._ordinal = 0
-        self._names_seen.clear()
+        self._keys.begin()
         self._phase = "compress"
 
     def _finish_step(self, acc: _StepAccum) -> None:
@@ -159,23 +135,17 @@ class _SparseCompressionBase:
         """Called by Horovod per gradient; returns the tensor to allreduce and a context."""
         if self._phase != "compress":
             self._begin_step()
-        name, opt = _param_name(tensor)
-        if opt is not None and "Adasum" in type(opt).__name__:
-            raise ValueError("crossover compression does not support op=hvd.Adasum (Adasum compresses "
-                             "parameter deltas, not gradients): use op=hvd.Average or hvd.Sum, or "
-                             "compression=hvd.Compression.none with Adasum")
+        name, _ = hook_caller(tensor)
         cur = self._cur
         self._count_dense(tensor.numel() * tensor.element_size())
         if (not tensor.is_floating_point() or tensor.is_sparse or tensor.dtype != torch.float32
                 or tensor.numel() < self.min_compress_numel or (cur.sent_cf <= 1 and not cur.probes)):
             self._count_sent(tensor.numel() * tensor.element_size())
             return tensor, None  # pass through untouched
-        key = name if name is not None else f"#{self._ordinal}"
-        self._ordinal += 1
-        if key in self._names_seen:  # same parameter twice in one step: treat as a new step
+        key, repeated = self._keys.key(name)
+        if repeated:  # same parameter twice in one step: treat as a new step
             self._begin_step()
-            cur = self._cur
-        self._names_seen.add(key)
+            self._keys.key(name)
         return self._compress_float(tensor, key)
 
     def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:

@@ -30,8 +30,9 @@ from crossover.adaptive.dqsgd import (
     levels_for_bits,
 )
 from crossover.compression import cost_model, kernels, quantize
+from horovod_ext._hook import GradientKeys, hook_caller
 
-from .torch_compression import _mix, _param_name
+from .torch_compression import _mix
 
 __all__ = ["DqsgdCompression", "QSGDCompression"]
 
@@ -80,6 +81,7 @@ class _QuantizedBase:
         self._bytes_sent = 0
         self._bytes_dense = 0
         self._step = 0
+        self._keys = GradientKeys()
         self._phase = "idle"
         self._bits = self._plan_bits()
         self._sq = 0.0  # global ||x||^2 of the step in flight, summed as decompress runs
@@ -102,8 +104,7 @@ class _QuantizedBase:
         self._sq, self._have_sq, self._numel_step = 0.0, False, 0
         self._bits = self._plan_bits()
         self._phase = "compress"
-        self._names: set[str] = set()
-        self._ordinal = 0
+        self._keys.begin()
 
     def reset(self) -> None:
         """Forget the step in flight (elastic reset); policy state stays."""
@@ -114,20 +115,17 @@ class _QuantizedBase:
         """Called by Horovod per gradient; returns the tensor to allreduce and a context."""
         if self._phase != "compress":
             self._begin_step()
-        name, opt = _param_name(tensor)
-        if opt is not None and "Adasum" in type(opt).__name__:
-            raise ValueError("crossover compression does not support op=hvd.Adasum: use hvd.Average or hvd.Sum")
+        name, opt = hook_caller(tensor)
         self._lr_now = self._lr_from(opt)
         nbytes = tensor.numel() * tensor.element_size()
         self._bytes_dense += nbytes
         if (tensor.dtype != torch.float32 or tensor.is_sparse or tensor.numel() < self.min_compress_numel):
             self._bytes_sent += nbytes
             return tensor, None
-        key = name if name is not None else f"#{self._ordinal}"
-        self._ordinal += 1
-        if key in self._names:
+        key, repeated = self._keys.key(name)
+        if repeated:  # same parameter twice in one step: treat as a new step
             self._begin_step()
-        self._names.add(key)
+            self._keys.key(name)
         return self._compress_float(tensor, key)
 
     def _lr_from(self, opt: Any) -> float | None:
