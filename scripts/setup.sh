@@ -38,7 +38,7 @@ fi
 
 # 3. Build tools and the project's test/benchmark dependencies.
 "${PIP[@]}" install -q "setuptools>=64,<81" wheel numpy psutil pytest pytest-timeout scikit-learn \
-  matplotlib tqdm ruff cloudpickle pyyaml packaging
+  matplotlib pillow tqdm ruff cloudpickle pyyaml packaging
 
 # 4. TensorFlow (optional): only when asked for, with tf-keras for Horovod's Keras path.
 HVD_ARGS=()

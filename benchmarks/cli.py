@@ -1,0 +1,544 @@
+"""crossover-bench: train a workload with a gradient compression method on Horovod and record what it costs.
+
+    crossover-bench --model resnet50 --dataset imagenet --data /data/imagenet --compression gravac \\
+        --hosts 4 --bandwidth 1gbit --epochs 1
+    crossover-bench --model resnet18 --width 0.25 --dataset cifar10 --data synthetic --compression topk:100 \\
+        --hosts 2 --bandwidth 100mbit --epochs 2 --steps-per-epoch 50 --out results/bench/r18-topk
+
+With --bandwidth the ranks run on an emulated cluster (crossover.netem: one network namespace per host,
+full-duplex links of that rate; needs root); without it on plain ``horovodrun -np N -H localhost:N --gloo``.
+--crossover runs two copies of the job at once under the crossover scheduler and adds the scheduler's
+timeline. Results go to --out: results.json (config, per-step and per-epoch records, summary), steps.csv,
+epochs.csv and PNG plots. ``python -m benchmarks.report`` style comparisons: benchmarks.report.compare().
+See docs/benchmarks-cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks import registry
+
+REPO = Path(__file__).resolve().parent.parent
+
+# per-workload defaults: batch size per rank, learning rate, momentum, weight decay, gradient clipping
+DEFAULTS = {
+    "conv": {"batch_size": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "clip": 0.0},
+    "mlp": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0, "clip": 0.0},
+    "lstm": {"batch_size": 20, "lr": 20.0, "momentum": 0.0, "weight_decay": 0.0, "clip": 0.25},
+}
+
+
+def _family(model: str) -> str:
+    return "lstm" if model == "lstm" else "mlp" if model == "mlp" else "conv"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def _compression(text: str) -> str:
+    try:
+        return registry.parse_compression(text).label
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _window(text: str) -> str:
+    if text == "auto":
+        return text
+    return str(_positive_int(text))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The crossover-bench argument parser."""
+    p = argparse.ArgumentParser(prog="crossover-bench", description=__doc__.splitlines()[0],
+                                epilog="\n".join(__doc__.splitlines()[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--model", required=True, choices=registry.MODELS, help="model to train")
+    w.add_argument("--dataset", required=True, choices=registry.DATASETS,
+                   help="data set (cifar10, cifar100, imagenet and digits for the image models, ptb for lstm)")
+    w.add_argument("--data", default=None,
+                   help="directory with the data set's files, or 'synthetic' for generated data of the same shape "
+                        "(digits needs none)")
+    w.add_argument("--width", type=_positive_float, default=1.0,
+                   help="multiplier of channels / hidden units (0.25: about 1/16 of the compute; default 1)")
+    w.add_argument("--image-size", type=_positive_int, default=None, help="imagenet input side (default 224)")
+    w.add_argument("--num-classes", type=_positive_int, default=None,
+                   help="classes of a synthetic image set (default: as the real set)")
+    w.add_argument("--vocab-size", type=_positive_int, default=None, help="words of synthetic ptb (default 10000)")
+    w.add_argument("--synthetic-size", type=_positive_int, default=None,
+                   help="training samples (tokens for ptb) per epoch of a synthetic set")
+    w.add_argument("--synthetic-noise", type=float, default=3.0,
+                   help="noise level of synthetic images (higher: harder task; default 3)")
+    w.add_argument("--seq-len", type=_positive_int, default=35, help="lstm BPTT window (default 35)")
+    w.add_argument("--tie-weights", action="store_true", help="lstm: share the embedding and decoder weights")
+    w.add_argument("--no-augment", action="store_true", help="no random crop / flip of real training images")
+    w.add_argument("--eval-samples", type=_positive_int, default=None,
+                   help="evaluate on at most this many samples (tokens for ptb); default: the whole set")
+    w.add_argument("--eval-batch-size", type=_positive_int, default=None, help="default: --batch-size")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=_positive_int, default=1, help="epochs (default 1)")
+    t.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="batch per rank (default 32; 20 for lstm)")
+    t.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="cap on the steps of an epoch")
+    t.add_argument("--max-steps", type=_positive_int, default=None, help="cap on the steps of the whole run")
+    t.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default 0.05; 20 for lstm)")
+    t.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9; 0 for lstm)")
+    t.add_argument("--weight-decay", type=float, default=None, help="default 5e-4 for conv nets, else 0")
+    t.add_argument("--clip", type=float, default=None, help="gradient norm clipping (default 0.25 for lstm, else off)")
+    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="constant, or cosine decay to 0 over the run (default constant)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and synthetic data")
+    t.add_argument("--warmup", type=_nonneg_int, default=5,
+                   help="first steps left out of the step-time statistics (they still train; default 5)")
+    t.add_argument("--eval-every", type=_nonneg_int, default=0,
+                   help="evaluate every N steps as well as at each epoch end (default 0: epoch ends only)")
+    t.add_argument("--target", type=float, default=None,
+                   help="accuracy (or perplexity for lstm) whose time to reach is reported")
+    c = p.add_argument_group("compression")
+    c.add_argument("--compression", type=_compression, default="none",
+                   help=f"gradient compression: {registry.COMPRESSION_HELP} (default none = dense fp32; "
+                        "fp16 = Horovod's hvd.Compression.fp16)")
+    c.add_argument("--gravac-epsilon", type=_positive_float, default=0.9,
+                   help="GraVAC: minimum compression gain to accept a CF (default 0.9, the paper's)")
+    c.add_argument("--gravac-window", type=_window, default="auto",
+                   help="GraVAC: steps per exploration window (default auto: run steps / 20, in 5..500)")
+    c.add_argument("--gravac-cf-min", type=_positive_float, default=10.0, help="GraVAC: lowest CF (default 10)")
+    c.add_argument("--gravac-cf-max", type=_positive_float, default=1000.0, help="GraVAC: highest CF (default 1000)")
+    c.add_argument("--gravac-compressor", choices=registry.STATIC_KINDS, default="topk",
+                   help="GraVAC: compressor it drives (default topk)")
+    c.add_argument("--min-compress-numel", type=_positive_int, default=16384,
+                   help="tensors smaller than this go dense (default 16384)")
+    n = p.add_argument_group("cluster")
+    n.add_argument("--hosts", type=_positive_int, default=2, help="hosts (emulated with --bandwidth; default 2)")
+    n.add_argument("--np", type=_positive_int, default=1, help="ranks per host (default 1)")
+    n.add_argument("--bandwidth", default=None,
+                   help="link rate of every emulated host, tc units (100mbit, 1gbit, 10gbit); needs root")
+    n.add_argument("--delay", default=None, help="one-way link delay (e.g. 1ms); needs the kernel's netem qdisc")
+    n.add_argument("--crossover", action="store_true",
+                   help="run two copies of the job at once under the crossover scheduler (timeline included)")
+    n.add_argument("--no-scheduler", action="store_true",
+                   help="with --crossover: run the two copies at once without the scheduler (baseline)")
+    n.add_argument("--pin", choices=("auto", "yes", "no"), default="auto",
+                   help="pin each rank to one core (auto: with --crossover only, so that the jobs share cores)")
+    n.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank (default 1)")
+    n.add_argument("--cycle-time-ms", type=_positive_float, default=None, help="HOROVOD_CYCLE_TIME of every rank")
+    n.add_argument("--timeout", type=_positive_float, default=3600.0, help="seconds before the job is killed")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None,
+                   help="results folder (default results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH)")
+    o.add_argument("--json", default=None, help="results JSON path (default OUT/results.json)")
+    o.add_argument("--csv", default=None, help="per-step CSV path (default OUT/steps.csv; epochs: OUT/epochs.csv)")
+    o.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    o.add_argument("-v", "--verbose", action="store_true", help="show every rank's output live")
+    return p
+
+
+def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Reject argument combinations that cannot run, with what to change (argparse error, exit 2)."""
+    from benchmarks import datasets
+
+    why = registry.compatible(a.model, a.dataset)
+    if why:
+        p.error(f"--model {a.model} --dataset {a.dataset}: {why}")
+    try:
+        datasets.check_data(a.dataset, a.data)
+    except datasets.DataError as exc:
+        p.error(str(exc))
+    if a.image_size is not None and (a.dataset != "imagenet" or a.image_size < 32):
+        p.error("--image-size applies to --dataset imagenet only, and must be >= 32")
+    if a.num_classes is not None and (a.data != registry.SYNTHETIC or a.dataset in registry.TEXT_DATASETS):
+        p.error("--num-classes applies to synthetic image data only (--data synthetic)")
+    if a.num_classes is not None and a.num_classes < 2:
+        p.error("--num-classes must be at least 2")
+    if a.vocab_size is not None and (a.data != registry.SYNTHETIC or a.dataset != "ptb" or a.vocab_size < 2):
+        p.error("--vocab-size applies to --dataset ptb --data synthetic, and must be >= 2")
+    if a.tie_weights and a.model != "lstm":
+        p.error("--tie-weights applies to --model lstm only")
+    if a.hosts * a.np < 2:
+        p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or --np 2)")
+    if a.no_scheduler and not a.crossover:
+        p.error("--no-scheduler only makes sense with --crossover")
+    if a.delay is not None and not a.bandwidth:
+        p.error("--delay needs --bandwidth (the delay is added on the emulated links)")
+    if a.bandwidth:
+        from crossover import netem
+
+        try:
+            netem.parse_rate(a.bandwidth)
+        except ValueError as exc:
+            p.error(f"--bandwidth: {exc}")
+        if a.hosts < 2:
+            p.error("--bandwidth emulates links between hosts: use --hosts 2 or more")
+        reason = netem.netem_unavailable_reason()
+        if reason:
+            p.error(f"--bandwidth needs the emulated network (crossover.netem), which is unavailable here: {reason}")
+        if a.delay is not None:
+            try:
+                netem.parse_time(a.delay)
+            except ValueError as exc:
+                p.error(f"--delay: {exc}")
+            reason = netem.netem_unavailable_reason(delay=True)
+            if reason:
+                p.error(f"--delay cannot be emulated here (run without --delay): {reason}")
+    if a.momentum is not None and not 0 <= a.momentum < 1:
+        p.error("--momentum must be in [0, 1)")
+    if a.weight_decay is not None and a.weight_decay < 0:
+        p.error("--weight-decay must be >= 0")
+    if a.clip is not None and a.clip < 0:
+        p.error("--clip must be >= 0 (0 = off)")
+    if a.synthetic_noise < 0:
+        p.error("--synthetic-noise must be >= 0")
+    if a.gravac_cf_max < a.gravac_cf_min or a.gravac_cf_min <= 1:
+        p.error("GraVAC needs 1 < --gravac-cf-min <= --gravac-cf-max")
+    if not shutil.which("horovodrun", path=str(Path(sys.executable).parent)) and not shutil.which("horovodrun") \
+            and not a.bandwidth:
+        p.error("horovodrun not found next to this Python or on PATH: run `make setup` first")
+
+
+def default_out(a: argparse.Namespace) -> Path:
+    """results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH[-crossover]."""
+    method = a.compression.replace(":", "")
+    name = f"{a.model}-{a.dataset}-{method}-{a.hosts}x{a.np}-{a.bandwidth or 'loopback'}"
+    return Path("results") / "bench" / (name + ("-crossover" if a.crossover else ""))
+
+
+def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The JSON config every rank reads (CLI arguments with the per-workload defaults filled in)."""
+    d = DEFAULTS[_family(a.model)]
+    pin = a.pin == "yes" or (a.pin == "auto" and a.crossover)
+    cfg = {
+        "model": a.model, "dataset": a.dataset, "data": a.data, "width": a.width, "image_size": a.image_size,
+        "num_classes": a.num_classes, "vocab_size": a.vocab_size, "synthetic_size": a.synthetic_size,
+        "synthetic_noise": a.synthetic_noise, "seq_len": a.seq_len, "tie_weights": a.tie_weights,
+        "augment": not a.no_augment, "eval_samples": a.eval_samples, "eval_batch_size": a.eval_batch_size,
+        "epochs": a.epochs, "batch_size": a.batch_size or d["batch_size"], "steps_per_epoch": a.steps_per_epoch,
+        "max_steps": a.max_steps, "lr": a.lr or d["lr"],
+        "momentum": d["momentum"] if a.momentum is None else a.momentum,
+        "weight_decay": d["weight_decay"] if a.weight_decay is None else a.weight_decay,
+        "clip": d["clip"] if a.clip is None else a.clip, "lr_schedule": a.lr_schedule, "seed": a.seed,
+        "warmup": a.warmup, "eval_every": a.eval_every, "target": a.target, "compression": a.compression,
+        "gravac_epsilon": a.gravac_epsilon, "gravac_window": a.gravac_window, "gravac_cf_min": a.gravac_cf_min,
+        "gravac_cf_max": a.gravac_cf_max, "gravac_compressor": a.gravac_compressor,
+        "min_compress_numel": a.min_compress_numel, "hosts": a.hosts, "np": a.np, "bandwidth": a.bandwidth,
+        "delay": a.delay, "crossover": a.crossover, "scheduler": a.crossover and not a.no_scheduler, "pin": pin,
+        "threads": a.threads, "out": str(out.resolve()),
+    }
+    return cfg
+
+
+# --------------------------------------------------------------------------- launching
+
+
+class _Progress:
+    """tqdm bars fed from the progress files rank 0 of each job writes (disabled when not a terminal)."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        bars = {name: tqdm(total=None, desc=name, unit="step", disable=None, leave=True, dynamic_ncols=True)
+                for name in self.files}
+        try:
+            while True:
+                for name, path in self.files.items():
+                    try:
+                        step, total, loss = path.read_text().split()
+                    except (OSError, ValueError):
+                        continue
+                    bar = bars[name]
+                    bar.total = int(total)
+                    bar.n = int(step)
+                    bar.set_postfix_str(f"loss {float(loss):.3f}", refresh=False)
+                    bar.refresh()
+                if self._stop.wait(0.5):
+                    break
+        finally:
+            for bar in bars.values():
+                bar.close()
+
+
+def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
+                    verbose: bool) -> int:
+    """Run ``cmd`` on ``np_total`` local ranks with horovodrun; output to ``log`` (and the terminal if verbose)."""
+    hr = Path(sys.executable).with_name("horovodrun")
+    launcher = str(hr) if hr.exists() else "horovodrun"
+    argv = [launcher, "-np", str(np_total), "-H", f"localhost:{np_total}", "--gloo", *cmd]
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(argv) + "\n")
+        f.flush()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if verbose else f, stderr=subprocess.STDOUT,
+                                env=env, cwd=str(REPO), start_new_session=True, text=True)
+        deadline = time.monotonic() + timeout
+        try:
+            if verbose:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    f.write(line)
+                    sys.stdout.write(line)
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(argv, timeout)
+            return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            f.write(f"\n*** killed after {timeout:.0f} s (--timeout)\n")
+            return 124
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=5)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _run_netem(cluster: Any, np_per_host: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
+               verbose: bool) -> int:
+    """Run ``cmd`` with ``np_per_host`` ranks on each emulated host; every rank's output goes to ``log``."""
+    from crossover import netem
+
+    try:
+        res = netem.launch_horovod(cluster, np_per_host, cmd, env=env, timeout=timeout, echo=verbose)
+        rc = next((r.returncode for r in res if r.returncode), 0)
+    except netem.HorovodTimeout as exc:
+        res, rc = exc.results, 124
+    log.write_text(f"$ {' '.join(cmd)}  (on {len(cluster.hosts)} emulated hosts, {cluster.rate})\n"
+                   + netem.format_rank_output(res))
+    return rc
+
+
+def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[str, int]:
+    """Start one Horovod job per config (two at once with --crossover); return each job's exit status."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS=str(a.threads))
+    if a.cycle_time_ms:
+        env["HOROVOD_CYCLE_TIME"] = f"{a.cycle_time_ms:g}"
+    if a.crossover:
+        env["BENCH_GATE_DIR"] = str(work / "gate")
+        env["BENCH_GATE_N"] = str(len(configs) * a.hosts * a.np)
+    results: dict[str, int] = {}
+    cluster: Any = None
+    if a.bandwidth:
+        from crossover import netem
+
+        cluster = netem.EmulatedCluster(a.hosts, a.bandwidth, a.delay)
+    try:
+        sched = work / "sched"
+        if a.crossover and not a.no_scheduler:
+            sched.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for h in (cluster.hosts if cluster else ["localhost"]):
+                (sched / h).mkdir(mode=0o700, exist_ok=True)
+
+        def one(name: str, cfg: Path) -> None:
+            job_env = dict(env)
+            cmd = [sys.executable, "-m", "benchmarks.trainer", str(cfg)]
+            if a.crossover and not a.no_scheduler:
+                cmd = [sys.executable, "-m", "crossover.scheduler.launch", "-m", "benchmarks.trainer", str(cfg)]
+                job_env.update(CROSSOVER_SCHED="1", CROSSOVER_JOB=name,
+                               CROSSOVER_SCHED_DIR=str(sched / ("{host}" if cluster else "localhost")),
+                               CROSSOVER_TELEMETRY_DIR=str(work / "telemetry"))
+            else:
+                job_env["CROSSOVER_SCHED"] = "0"
+            log = cfg.parent / "job.log"
+            if cluster is not None:
+                results[name] = _run_netem(cluster, a.np, cmd, job_env, log, a.timeout, a.verbose)
+            else:
+                results[name] = _run_horovodrun(a.hosts * a.np, cmd, job_env, log, a.timeout, a.verbose)
+
+        threads = [threading.Thread(target=one, args=(n, c)) for n, c in configs.items()]
+        with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        if cluster is not None:
+            cluster.close()
+    return results
+
+
+# --------------------------------------------------------------------------- results
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _overlap_rate(jobs: dict[str, dict[str, Any]], warmup: int) -> dict[str, Any] | None:
+    """Aggregate samples/s of jobs running at once, measured over the time all of them were stepping."""
+    ends = {n: [s["time"] for s in r["steps"][warmup:]] for n, r in jobs.items()}
+    if any(len(e) < 2 for e in ends.values()):
+        return None
+    lo, hi = max(e[0] for e in ends.values()), min(e[-1] for e in ends.values())
+    if hi <= lo:
+        return {"overlap_s": 0.0, "aggregate_steps_per_s": None, "aggregate_samples_per_s": None}
+    steps_per_s = {}
+    for n, e in ends.items():
+        inside = [t for t in e if lo <= t <= hi]
+        steps_per_s[n] = (len(inside) - 1) / (inside[-1] - inside[0]) if len(inside) > 1 else 0.0
+    samples = sum(steps_per_s[n] * jobs[n]["summary"]["samples_per_s"] * jobs[n]["summary"]["median_step_s"]
+                  for n in jobs if jobs[n]["summary"]["samples_per_s"])
+    return {"overlap_s": hi - lo, "steps_per_s": steps_per_s, "aggregate_steps_per_s": sum(steps_per_s.values()),
+            "aggregate_samples_per_s": samples}
+
+
+def _print_summary(s: dict[str, Any], files: Sequence[str]) -> None:
+    metric = s["metric"]
+    final = "-" if s["final_metric"] is None else f"{s['final_metric']:.4g}"
+    ratio = "-" if s["compression_ratio"] is None else f"{s['compression_ratio']:.1f}x"
+    print(f"\n{s['model']} on {s['dataset']}, {s['method']}, {s['ranks']} ranks, {s['bandwidth']}"
+          + (f" [{s['job']}]" if s.get("job") else ""))
+    med = s["median_step_s"]
+    print(f"  median step {1e3 * med:.1f} ms, {s['samples_per_s']:.1f} {s['sample_unit']}/s" if med else
+          "  no measured steps")
+    print(f"  {s['steps']} steps, {s['train_s']:.1f} s training; bytes dense/sent {ratio}; final {metric} {final}")
+    if s.get("target") is not None:
+        ttt = s["time_to_target_s"]
+        print(f"  time to {metric} {s['target']:g}: " + ("not reached" if ttt is None else f"{ttt:.1f} s"))
+    for f in files:
+        print(f"  wrote {f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line, run the benchmark job(s), write and print the results; return the exit status."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    validate(p, a)
+    out = Path(a.out) if a.out else default_out(a)
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["jobA", "jobB"] if a.crossover else ["job"]
+    configs: dict[str, Path] = {}
+    for n in names:
+        job_out = out / n if a.crossover else out
+        job_out.mkdir(parents=True, exist_ok=True)
+        for stale in ("raw.json", "progress"):
+            (job_out / stale).unlink(missing_ok=True)
+        cfg = make_config(a, job_out)
+        cfg["command"] = "crossover-bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        path = job_out / "config.json"
+        path.write_text(json.dumps(cfg, indent=1))
+        configs[n] = path
+    work = out / "work"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    print(f"crossover-bench: {a.model} / {a.dataset} / {a.compression} on {a.hosts} host(s) x {a.np} rank(s), "
+          f"{a.bandwidth or 'loopback (unshaped)'}{', crossover x2' if a.crossover else ''}; output in {out}",
+          flush=True)
+    started = time.time()
+    status = launch(a, configs, work)
+    failed = [n for n, rc in status.items() if rc]
+    for n in failed:
+        log = configs[n].parent / "job.log"
+        print(f"\n{n} failed (exit {status[n]}); last lines of {log}:\n{_tail(log)}", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    from benchmarks import report
+
+    for n, cfg_path in configs.items():
+        raw_path = cfg_path.parent / "raw.json"
+        if not raw_path.exists():
+            continue
+        cfg = json.loads(cfg_path.read_text())
+        raw = json.loads(raw_path.read_text())
+        single = not a.crossover
+        res = report.write_run(raw, cfg, cfg_path.parent,
+                               json_path=Path(a.json) if a.json and single else None,
+                               csv_path=Path(a.csv) if a.csv and single else None, plots=not a.no_plots)
+        results[n] = res
+        _print_summary(res["summary"], res["files"])
+    if a.crossover and results:
+        tel = work / "telemetry"
+        summary = None
+        files = []
+        if not a.no_plots:
+            summary = report.plot_timeline(tel, out / "timeline.png")
+            if summary is not None:
+                files = [str(out / "timeline.png"), str(out / "timeline.json")]
+        elif tel.is_dir():
+            from crossover.scheduler import telemetry
+
+            summary = telemetry.summarize(telemetry.load(str(tel)))
+        both = {"scheduler": not a.no_scheduler, "jobs": {n: r["summary"] for n, r in results.items()},
+                "overlap": _overlap_rate(results, a.warmup) if len(results) == 2 else None,
+                "telemetry": summary, "files": files}
+        path = Path(a.json) if a.json else out / "crossover.json"
+        path.write_text(json.dumps(both, indent=1))
+        ov = both["overlap"]
+        if ov and ov.get("aggregate_samples_per_s"):
+            print(f"\nboth jobs at once ({'crossover scheduler' if not a.no_scheduler else 'no scheduler'}): "
+                  f"{ov['aggregate_samples_per_s']:.1f} samples/s together over {ov['overlap_s']:.1f} s of overlap")
+        if summary:
+            from crossover.scheduler import telemetry
+
+            print(telemetry.format_summary(summary))
+        for f in [*files, str(path)]:
+            print(f"  wrote {f}")
+    print(f"\ntotal {time.time() - started:.0f} s")
+    if failed:
+        return 1
+    if len(results) != len(configs):
+        print("some job wrote no results", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

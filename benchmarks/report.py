@@ -1,0 +1,395 @@
+"""Results of benchmark runs: summary figures, CSV files, PNG plots, and the comparison of several runs.
+
+* :func:`summarize` turns a run's raw records into its summary (median step time, samples/s, bytes,
+  final metric, time to a target);
+* :func:`write_run` writes ``results.json``, ``steps.csv``, ``epochs.csv`` and the run's plots;
+* :func:`plot_timeline` draws the crossover scheduler's timeline from its telemetry;
+* :func:`compare` takes several ``results.json`` and writes a markdown table (time to the dense run's
+  final accuracy, speed-ups against dense fp32 and Horovod fp16) and comparison plots.
+
+Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = ["summarize", "write_run", "plot_run", "plot_timeline", "compare", "time_to", "load_results"]
+
+STEP_FIELDS = ("step", "epoch", "t", "step_s", "data_s", "loss", "bytes_sent", "bytes_dense", "cf", "bits", "lr")
+EPOCH_FIELDS = ("epoch", "step", "train_s", "wall_s", "eval_s", "eval_loss", "accuracy", "top5", "perplexity",
+                "eval_count")
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def better(metric: str, a: float, b: float) -> bool:
+    """Whether value ``a`` of ``metric`` is at least as good as ``b`` (accuracy: higher, perplexity: lower)."""
+    return a <= b if metric == "perplexity" else a >= b
+
+
+def time_to(evals: Sequence[dict[str, Any]], metric: str, target: float | None) -> float | None:
+    """Training seconds at the first evaluation whose ``metric`` reaches ``target`` (None if never)."""
+    if target is None:
+        return None
+    for e in evals:
+        v = e.get(metric)
+        if v is not None and better(metric, float(v), float(target)):
+            return float(e["train_s"])
+    return None
+
+
+def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Summary figures of one run (step times after ``config['warmup']`` steps)."""
+    meta, steps, evals = raw["meta"], raw["steps"], raw["evals"]
+    metric = meta["metric"]
+    warm = int(config.get("warmup", 0))
+    measured = steps[warm:] if len(steps) > warm else steps
+    times = sorted(s["step_s"] for s in measured)
+    size = int(meta["size"])
+    per_sample = int(config["batch_size"]) * (int(config.get("seq_len", 35)) if meta["text"] else 1)
+    med = statistics.median(times) if times else None
+    sent = sum(int(s["bytes_sent"]) for s in steps)
+    dense = sum(int(s["bytes_dense"]) for s in steps)
+    cfs = [s["cf"] for s in steps if s.get("cf") is not None]
+    bits = [s["bits"] for s in steps if s.get("bits") is not None]
+    train_s = float(meta.get("train_s") or (steps[-1]["t"] if steps else 0.0))
+    final = evals[-1].get(metric) if evals else None
+    vals = [e[metric] for e in evals if e.get(metric) is not None]
+    best = (min(vals) if metric == "perplexity" else max(vals)) if vals else None
+    target = config.get("target")
+    return {
+        "method": config["compression"], "model": config["model"], "dataset": config["dataset"],
+        "data": config.get("data"), "hosts": config["hosts"], "ranks": size,
+        "bandwidth": config.get("bandwidth") or "loopback", "job": meta.get("job") or None,
+        "parameters": meta["parameters"], "steps": len(steps), "epochs": evals[-1]["epoch"] if evals else 0,
+        "batch_size_per_rank": int(config["batch_size"]),
+        "median_step_s": med,
+        "p10_step_s": times[len(times) // 10] if times else None,
+        "p90_step_s": times[(len(times) * 9) // 10] if times else None,
+        "samples_per_s": (per_sample * size / med) if med else None,
+        "samples_per_s_overall": (per_sample * size * len(steps) / train_s) if train_s > 0 else None,
+        "sample_unit": "tokens" if meta["text"] else "images",
+        "train_s": train_s, "wall_s": meta.get("wall_s"), "setup_s": meta.get("setup_s"),
+        "bytes_sent": sent, "bytes_dense": dense, "compression_ratio": (dense / sent) if sent else None,
+        "metric": metric, "final_metric": final, "best_metric": best,
+        "target": target, "time_to_target_s": time_to(evals, metric, target),
+        "cf_final": cfs[-1] if cfs else None, "cf_mean": statistics.fmean(cfs) if cfs else None,
+        "bits_min": min(bits) if bits else None, "bits_max": max(bits) if bits else None,
+        "bits_mean": statistics.fmean(bits) if bits else None,
+        "finished": bool(meta.get("finished")),
+    }
+
+
+def _write_csv(path: Path, rows: Iterable[dict[str, Any]], fields: Sequence[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+
+
+def write_run(raw: dict[str, Any], config: dict[str, Any], out: Path, *, json_path: Path | None = None,
+              csv_path: Path | None = None, plots: bool = True) -> dict[str, Any]:
+    """Write results.json, steps.csv, epochs.csv (and PNGs unless ``plots`` is False); return the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"config": config, "summary": summarize(raw, config), "meta": raw["meta"],
+               "epochs": raw["evals"], "steps": raw["steps"]}
+    json_path = json_path or out / "results.json"
+    csv_path = csv_path or out / "steps.csv"
+    epochs_path = out / "epochs.csv" if csv_path == out / "steps.csv" else csv_path.with_name(
+        csv_path.stem + "-epochs.csv")
+    files = [json_path, csv_path, epochs_path]
+    _write_csv(csv_path, raw["steps"], STEP_FIELDS)
+    _write_csv(epochs_path, raw["evals"], EPOCH_FIELDS)
+    if plots:
+        files += plot_run(results, out)
+    results["files"] = [str(f) for f in files]
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _rolling_median(xs: Sequence[float], k: int) -> list[float]:
+    return [statistics.median(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
+
+
+def plot_run(results: dict[str, Any], out: Path) -> list[Path]:
+    """PNGs of one run: throughput per step, metric against training time, CF / bits against step."""
+    plt = _pyplot()
+    s, steps, evals = results["summary"], results["steps"], results["epochs"]
+    label = f"{s['model']} {s['dataset']} {s['method']} ({s['ranks']} ranks, {s['bandwidth']})"
+    files = []
+    if steps:
+        per = s["samples_per_s"] * s["median_step_s"] if s["samples_per_s"] else 0
+        thr = [per / r["step_s"] for r in steps if r["step_s"] > 0]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(range(1, len(thr) + 1), thr, lw=0.6, alpha=0.5, label="per step")
+        ax.plot(range(1, len(thr) + 1), _rolling_median(thr, 9), lw=1.5, label="rolling median (9)")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{s['sample_unit']} / s (all ranks)")
+        ax.set_title(f"throughput: {label}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(out / "throughput.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    if evals:
+        m = s["metric"]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([e["train_s"] for e in evals], [e[m] for e in evals], marker="o")
+        if s.get("target") is not None:
+            ax.axhline(s["target"], ls="--", color="grey", lw=1, label=f"target {s['target']:g}")
+            ax.legend(fontsize=8)
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel(m)
+        if m == "perplexity":
+            ax.set_yscale("log")
+        ax.set_title(f"{m} against time: {label}", fontsize=9)
+        fig.tight_layout()
+        files.append(out / "accuracy_vs_time.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    dense_like = s["method"] in ("none", "fp16")  # a constant CF of 1 or 2: nothing to plot
+    cf = [] if dense_like else [(r["step"], r["cf"]) for r in steps if r.get("cf") is not None]
+    bits = [] if dense_like else [(r["step"], r["bits"]) for r in steps if r.get("bits") is not None]
+    if cf or bits:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        if bits:
+            ax.step([b[0] for b in bits], [b[1] for b in bits], where="post")
+            ax.set_ylabel("bits per element")
+        else:
+            ax.step([c[0] for c in cf], [c[1] for c in cf], where="post")
+            ax.set_ylabel("compression factor")
+            if max(c[1] for c in cf) > 10:
+                ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(f"{'bits' if bits else 'CF'} over time: {label}", fontsize=9)
+        fig.tight_layout()
+        files.append(out / "cf_bits.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    return files
+
+
+def plot_timeline(telemetry_dir: Path, png: Path, *, skip_steps: int = 3, steps: int = 8) -> dict[str, Any] | None:
+    """Draw the scheduler's per-worker timeline (compute / waiting for the device / waiting on communication).
+
+    The window starts after ``skip_steps`` steps of the slowest worker and covers about ``steps`` step
+    periods. Returns the telemetry summary (None when there is no telemetry).
+    """
+    from crossover.scheduler import telemetry
+
+    if not Path(telemetry_dir).is_dir():
+        return None
+    streams = telemetry.load(str(telemetry_dir))
+    if not streams:
+        return None
+    summary = telemetry.summarize(streams)
+    plt = _pyplot()
+    starts = [s.steps[min(skip_steps, len(s.steps) - 1)]["t"] for s in streams if s.steps]
+    periods = [j["step_s"] for j in summary["jobs"].values() if j["step_s"] > 0]
+    all_t = [t for s in streams for ivs in s.spans.values() for iv in ivs for t in iv]
+    t0 = max(starts) if starts else min(all_t)
+    t1 = t0 + (steps * max(periods) if periods else 2.0)
+    streams = sorted(streams, key=lambda s: (s.job, s.host, s.member))
+    colors = {"compute": "tab:blue", "wait_device": "tab:orange", "wait_comm": "tab:green"}
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(streams)))
+    for i, s in enumerate(streams):
+        for name, ivs in s.spans.items():
+            bars = [(a - t0, b - a) for a, b in ivs if b > t0 and a < t1]
+            if bars:
+                ax.broken_barh(bars, (i - 0.4, 0.8), color=colors.get(name, "grey"))
+    ax.set_yticks(range(len(streams)))
+    ax.set_yticklabels([f"{s.job} {s.member} ({s.dev})" for s in streams], fontsize=8)
+    ax.set_xlim(0, t1 - t0)
+    ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, ["compute (holds the device)", "waits for the device", "waits on communication"],
+              fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    (png.parent / "timeline.json").write_text(json.dumps(telemetry.chrome_trace(streams)))
+    return summary
+
+
+# --------------------------------------------------------------------------- comparison of runs
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A run's results.json (``path`` is the file or the run's output folder)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    return json.loads(p.read_text())
+
+
+def _group_key(s: dict[str, Any]) -> tuple[Any, ...]:
+    return (s["model"], s["dataset"], s["ranks"], s["bandwidth"])
+
+
+def _fmt(v: Any, spec: str = ".3g", none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return format(v, spec)
+
+
+def _x(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def compare(paths: Sequence[str | Path], out_dir: str | Path) -> dict[str, Any]:
+    """Compare runs; write compare.md, compare.json and PNGs to ``out_dir``; return the rows and files.
+
+    Runs are grouped by (model, dataset, ranks, bandwidth). In each group the dense fp32 run
+    (``--compression none``) sets the target: its final accuracy (or perplexity). For every run the
+    table gives the training time to first reach that target at an evaluation point, and the speed-up
+    of that time against dense and against Horovod fp16 (``fp16``), next to step time, throughput,
+    bytes and the final metric.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [load_results(p) for p in paths]
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault(_group_key(r["summary"]), []).append(r)
+    rows: list[dict[str, Any]] = []
+    for key, members in groups.items():
+        dense = next((r for r in members if r["summary"]["method"] == "none"), None)
+        fp16 = next((r for r in members if r["summary"]["method"] == "fp16"), None)
+        metric = members[0]["summary"]["metric"]
+        target = dense["summary"]["final_metric"] if dense else None
+        t_dense = time_to(dense["epochs"], metric, target) if dense else None
+        t_fp16 = time_to(fp16["epochs"], metric, target) if fp16 else None
+        for r in members:
+            s = r["summary"]
+            t = time_to(r["epochs"], metric, target)
+            rows.append({
+                "group": " ".join(str(k) for k in key), "model": s["model"], "dataset": s["dataset"],
+                "ranks": s["ranks"], "bandwidth": s["bandwidth"], "method": s["method"], "metric": metric,
+                "median_step_s": s["median_step_s"], "samples_per_s": s["samples_per_s"],
+                "step_speedup_vs_dense": (dense["summary"]["median_step_s"] / s["median_step_s"])
+                if dense and s["median_step_s"] else None,
+                "compression_ratio": s["compression_ratio"], "final_metric": s["final_metric"],
+                "final_minus_dense": (s["final_metric"] - target) if target is not None
+                and s["final_metric"] is not None else None,
+                "dense_target": target, "time_to_dense_final_s": t, "train_s": s["train_s"],
+                "tta_speedup_vs_dense": (t_dense / t) if t and t_dense else None,
+                "tta_speedup_vs_fp16": (t_fp16 / t) if t and t_fp16 else None,
+                "cf_final": s.get("cf_final"), "bits_mean": s.get("bits_mean"),
+            })
+    lines = []
+    for g in dict.fromkeys(r["group"] for r in rows):
+        grp = [r for r in rows if r["group"] == g]
+        m = grp[0]["metric"]
+        tgt = grp[0]["dense_target"]
+        lines.append(f"### {g}\n")
+        lines.append(f"target: the dense fp32 run's final {m} = {_fmt(tgt, '.4g')}\n" if tgt is not None else
+                     "target: none (no dense fp32 run, `--compression none`, in this group)\n")
+        lines.append(f"| method | step ms | samples/s | step speed-up | bytes dense/sent | final {m} | vs dense | "
+                     f"time to target s | TTA vs dense | TTA vs fp16 | CF / bits |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in grp:
+            cfb = _fmt(r["bits_mean"], ".2g") + " bits" if r["bits_mean"] is not None else _fmt(r["cf_final"], ".3g")
+            lines.append(
+                f"| {r['method']} | {_fmt(r['median_step_s'] and 1e3 * r['median_step_s'], '.1f')} | "
+                f"{_fmt(r['samples_per_s'], '.1f')} | {_x(r['step_speedup_vs_dense'])} | "
+                f"{_fmt(r['compression_ratio'], '.1f')} | {_fmt(r['final_metric'], '.4g')} | "
+                f"{_fmt(r['final_minus_dense'], '+.4f')} | "
+                f"{_fmt(r['time_to_dense_final_s'], '.1f', 'not reached' if tgt is not None else '-')} | "
+                f"{_x(r['tta_speedup_vs_dense'])} | {_x(r['tta_speedup_vs_fp16'])} | {cfb} |")
+        lines.append("")
+    table = "\n".join(lines)
+    files = [out / "compare.md", out / "compare.json"]
+    files[0].write_text(table + "\n")
+    files[1].write_text(json.dumps({"rows": rows}, indent=1))
+    files += _compare_plots(runs, groups, out)
+    return {"rows": rows, "table": table, "files": [str(f) for f in files]}
+
+
+def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], list[dict[str, Any]]],
+                   out: Path) -> list[Path]:
+    plt = _pyplot()
+    files = []
+    keys = list(groups)
+    methods = list(dict.fromkeys(r["summary"]["method"] for r in runs))
+    # throughput by method, one bar per group
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(methods) * max(1, len(keys))), 3.8))
+    width = 0.8 / max(1, len(keys))
+    for gi, key in enumerate(keys):
+        by = {r["summary"]["method"]: r["summary"]["samples_per_s"] or 0 for r in groups[key]}
+        ax.bar([i + gi * width for i in range(len(methods))], [by.get(m, 0) for m in methods], width,
+               label=f"{key[2]} ranks, {key[3]}")
+    ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=20, fontsize=8)
+    ax.set_ylabel("samples / s (median step)")
+    ax.set_title(f"throughput by method: {keys[0][0]} {keys[0][1]}" if keys else "throughput", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out / "throughput_by_method.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    # metric against time, one panel per group
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(6 * max(1, len(keys)), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        metric = groups[key][0]["summary"]["metric"]
+        for r in groups[key]:
+            ev = r["epochs"]
+            ax.plot([e["train_s"] for e in ev], [e[metric] for e in ev], marker="o", ms=3, label=r["summary"]["method"])
+        dense = next((r for r in groups[key] if r["summary"]["method"] == "none"), None)
+        if dense and dense["summary"]["final_metric"] is not None:
+            ax.axhline(dense["summary"]["final_metric"], ls="--", color="grey", lw=1)
+        if metric == "perplexity":
+            ax.set_yscale("log")
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{key[0]} {key[1]}, {key[2]} ranks, {key[3]}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out / "accuracy_vs_time.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    # CF and bits against step for the runs that have them
+    adaptive = [r for r in runs if any(s.get("cf") not in (None, 1.0, 2.0) or s.get("bits") not in (None, 16)
+                                       for s in r["steps"])]
+    if adaptive:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+        for r in adaptive:
+            s = r["summary"]
+            lab = f"{s['method']} ({s['bandwidth']})"
+            bits = [(x["step"], x["bits"]) for x in r["steps"] if x.get("bits") is not None]
+            if bits:
+                a2.step([b[0] for b in bits], [b[1] for b in bits], where="post", label=lab)
+            else:
+                cf = [(x["step"], x["cf"]) for x in r["steps"] if x.get("cf") is not None]
+                a1.step([c[0] for c in cf], [c[1] for c in cf], where="post", label=lab)
+        a1.set_yscale("log")
+        a1.set_xlabel("step")
+        a1.set_ylabel("compression factor")
+        a2.set_xlabel("step")
+        a2.set_ylabel("bits per element")
+        for a in (a1, a2):
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(out / "cf_bits.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    return files

@@ -1,0 +1,224 @@
+"""crossover-bench: bad command lines are rejected with a message (exit 2); tiny real runs write valid outputs.
+
+The end-to-end runs start real Horovod jobs (2 ranks, a few steps, generated data in the real file
+formats): on plain `horovodrun`, on the emulated network (needs root; skipped with the reason
+otherwise) and two jobs under the crossover scheduler. Each takes 15-45 s on 2 cores (Horovod start-up
+dominates). The comparison report is checked on hand-made results, without Horovod.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import cli, report, sample_data
+from crossover import netem
+
+REPO = Path(__file__).resolve().parent.parent
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run crossover-bench as a user would (a subprocess), with a hard timeout."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("--model", "--compression", "topk:CF", "qsgd:BITS", "gravac", "dqsgd", "--crossover", "--hosts",
+                 "--bandwidth", "--delay", "--epochs", "--batch-size", "--out", "--no-plots"):
+        assert text in out
+
+
+SYN = ["--dataset", "cifar10", "--data", "synthetic"]
+BAD = [
+    (["--model", "resnet34", *SYN], "invalid choice: 'resnet34'"),
+    (["--model", "resnet18", "--dataset", "mnist"], "invalid choice: 'mnist'"),
+    (["--model", "resnet18", *SYN, "--compression", "topk:0"], "topk:CF needs 1 < CF"),
+    (["--model", "resnet18", *SYN, "--compression", "qsgd:99"], "BITS an integer from 2 to 8"),
+    (["--model", "resnet18", *SYN, "--compression", "gravac:5"], "takes no ':VALUE'"),
+    (["--model", "resnet18", *SYN, "--compression", "lz4"], "unknown compression 'lz4'"),
+    (["--model", "lstm", *SYN], "use --dataset ptb"),
+    (["--model", "resnet18", "--dataset", "ptb", "--data", "synthetic"], "use --model lstm"),
+    (["--model", "vgg16", "--dataset", "digits"], "only --model mlp"),
+    (["--model", "resnet18", "--dataset", "cifar10"], "needs --data DIR"),
+    (["--model", "resnet18", "--dataset", "imagenet", "--data", "/nonexistent/imagenet"], "no such directory"),
+    (["--model", "resnet18", *SYN, "--epochs", "-1"], "--epochs: must be >= 1"),
+    (["--model", "resnet18", *SYN, "--epochs", "0"], "--epochs: must be >= 1"),
+    (["--model", "resnet18", *SYN, "--batch-size", "0"], "--batch-size: must be >= 1"),
+    (["--model", "resnet18", *SYN, "--lr", "-0.1"], "--lr: must be a finite number > 0"),
+    (["--model", "resnet18", *SYN, "--hosts", "1"], "at least 2 ranks"),
+    (["--model", "resnet18", *SYN, "--image-size", "64"], "--image-size applies to --dataset imagenet"),
+    (["--model", "resnet18", *SYN, "--tie-weights"], "--tie-weights applies to --model lstm"),
+    (["--model", "resnet18", *SYN, "--no-scheduler"], "only makes sense with --crossover"),
+    (["--model", "resnet18", *SYN, "--delay", "1ms"], "--delay needs --bandwidth"),
+    (["--model", "resnet18", *SYN, "--bandwidth", "fast"], None),  # netem's reason or the rate parse error
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_arguments_exit_2_with_a_message(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                             message: str | None) -> None:
+    err = usage_error(capsys, argv)
+    assert "crossover-bench: error:" in err
+    if message is not None:
+        assert message in err
+    else:
+        assert "--bandwidth" in err
+
+
+def test_missing_data_files_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    sample_data.write_cifar(tmp_path, "cifar10", n_train=10, n_test=5)
+    (tmp_path / "test_batch").unlink()
+    err = usage_error(capsys, ["--model", "resnet18", "--dataset", "cifar10", "--data", str(tmp_path)])
+    assert "expected the python batches data_batch_1" in err and "missing: test_batch" in err
+
+
+def test_delay_is_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    if netem.netem_unavailable_reason(delay=True) is None:
+        pytest.skip("this kernel can emulate delays: --delay is accepted here")
+    err = usage_error(capsys, ["--model", "resnet18", *SYN, "--bandwidth", "100mbit", "--delay", "1ms"])
+    reason = netem.netem_unavailable_reason()
+    if reason:  # not root: the network cannot be emulated at all
+        assert "--bandwidth needs the emulated network" in err and reason in err
+    else:
+        assert "--delay cannot be emulated here" in err and "netem" in err
+
+
+# ------------------------------------------------------------------ end to end (real Horovod jobs)
+
+
+def check_run(out: Path, steps: int, epochs: int, plots: tuple[str, ...]) -> dict[str, Any]:
+    """The run's JSON, CSVs and PNGs exist and agree; returns results.json."""
+    res = json.loads((out / "results.json").read_text())
+    s = res["summary"]
+    assert s["finished"] and s["steps"] == steps and s["epochs"] == epochs and s["ranks"] == 2
+    assert s["median_step_s"] > 0 and s["samples_per_s"] > 0 and s["bytes_sent"] > 0
+    assert len(res["steps"]) == steps and len(res["epochs"]) == epochs
+    with open(out / "steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == steps and [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    assert all(float(r["step_s"]) > 0 and int(r["bytes_sent"]) > 0 for r in rows)
+    with open(out / "epochs.csv", newline="") as f:
+        ep = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in ep] == list(range(1, epochs + 1))
+    for name in plots:
+        assert (out / name).read_bytes()[:8] == PNG, name
+    return res
+
+
+def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
+    data = sample_data.write_cifar(tmp_path / "cifar10", "cifar10", n_train=200, n_test=40)
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "resnet18", "--width", "0.125", "--dataset", "cifar10", "--data", str(data),
+                    "--compression", "topk:10", "--min-compress-numel", "1024", "--epochs", "2",
+                    "--steps-per-epoch", "3", "--batch-size", "8", "--warmup", "1", "--target", "0",
+                    "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = check_run(out, steps=6, epochs=2, plots=("throughput.png", "accuracy_vs_time.png", "cf_bits.png"))
+    s = res["summary"]
+    assert s["method"] == "topk:10" and s["bandwidth"] == "loopback" and s["metric"] == "accuracy"
+    assert s["compression_ratio"] > 2 and all(r["cf"] == 10 for r in res["steps"])
+    assert 0 <= s["final_metric"] <= 1 and s["time_to_target_s"] is not None
+    assert res["config"]["data"] == str(data) and res["meta"]["data_info"].startswith("cifar10 from")
+    assert "median step" in proc.stdout and "wrote" in proc.stdout
+
+
+def test_tiny_run_on_the_emulated_network(tmp_path: Path) -> None:
+    reason = netem.netem_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    data = sample_data.write_ptb(tmp_path / "ptb", lines=400, vocab=60)
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "lstm", "--width", "0.1", "--dataset", "ptb", "--data", str(data), "--compression",
+                    "gravac", "--min-compress-numel", "1024", "--hosts", "2", "--bandwidth", "100mbit",
+                    "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4", "--seq-len", "10",
+                    "--warmup", "1", "--no-plots", "--json", str(tmp_path / "r.json"), "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (out / "results.json").write_text((tmp_path / "r.json").read_text())  # --json moved it
+    res = check_run(out, steps=6, epochs=2, plots=())
+    s = res["summary"]
+    assert s["bandwidth"] == "100mbit" and s["metric"] == "perplexity" and s["sample_unit"] == "tokens"
+    assert math.isfinite(s["final_metric"]) and s["final_metric"] > 1
+    assert all(r["cf"] is not None for r in res["steps"])
+    assert not list(out.glob("*.png"))
+
+
+def test_crossover_runs_two_jobs_with_a_timeline(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "mlp", "--width", "0.25", "--dataset", "digits", "--compression", "none",
+                    "--crossover", "--epochs", "1", "--steps-per-epoch", "10", "--warmup", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for job in ("jobA", "jobB"):
+        res = check_run(out / job, steps=10, epochs=1, plots=("throughput.png", "accuracy_vs_time.png"))
+        assert res["meta"]["job"] == job and res["config"]["pin"] is True
+    both = json.loads((out / "crossover.json").read_text())
+    assert set(both["jobs"]) == {"jobA", "jobB"} and both["scheduler"] is True
+    assert set(both["telemetry"]["jobs"]) == {"jobA", "jobB"}
+    assert all(j["steps"] >= 10 for j in both["telemetry"]["jobs"].values())
+    assert (out / "timeline.png").read_bytes()[:8] == PNG
+    assert json.loads((out / "timeline.json").read_text())["traceEvents"]
+
+
+# ------------------------------------------------------------------ comparison report (no Horovod)
+
+
+def fake_run(out: Path, method: str, step_s: float, accs: list[float], sent_per_step: int) -> Path:
+    """Write a results.json as a run of `method` would: 10 steps per epoch, one evaluation per epoch."""
+    steps, evals = [], []
+    for i in range(10 * len(accs)):
+        steps.append({"step": i + 1, "epoch": i // 10 + 1, "t": (i + 1) * step_s, "step_s": step_s, "data_s": 0.0,
+                      "loss": 1.0, "bytes_sent": sent_per_step, "bytes_dense": 4000,
+                      "cf": 4000 / sent_per_step, "bits": None, "lr": 0.1})
+    for e, acc in enumerate(accs, start=1):
+        evals.append({"epoch": e, "step": 10 * e, "train_s": 10 * e * step_s, "wall_s": 10 * e * step_s,
+                      "eval_s": 0.1, "eval_loss": 1.0, "accuracy": acc, "top5": 1.0, "eval_count": 100})
+    raw = {"meta": {"size": 2, "parameters": 1000, "text": False, "metric": "accuracy", "finished": True, "job": "",
+                    "train_s": steps[-1]["t"]}, "steps": steps, "evals": evals}
+    config = {"compression": method, "model": "resnet18", "dataset": "cifar10", "data": "synthetic", "hosts": 2,
+              "bandwidth": "1gbit", "batch_size": 32, "warmup": 2}
+    report.write_run(raw, config, out, plots=False)
+    return out / "results.json"
+
+
+def test_compare_gives_time_to_the_dense_accuracy(tmp_path: Path) -> None:
+    paths = [fake_run(tmp_path / "none", "none", 1.0, [0.5, 0.7, 0.8], 4000),
+             fake_run(tmp_path / "fp16", "fp16", 0.8, [0.5, 0.7, 0.8], 2000),
+             fake_run(tmp_path / "gravac", "gravac", 0.25, [0.6, 0.8, 0.81], 40),
+             fake_run(tmp_path / "topk", "topk:1000", 0.2, [0.3, 0.5, 0.6], 4)]
+    res = report.compare(paths, tmp_path / "cmp")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["none"]["time_to_dense_final_s"] == pytest.approx(30.0)
+    assert rows["gravac"]["time_to_dense_final_s"] == pytest.approx(5.0)  # 0.8 reached at epoch 2
+    assert rows["gravac"]["tta_speedup_vs_dense"] == pytest.approx(6.0)
+    assert rows["gravac"]["tta_speedup_vs_fp16"] == pytest.approx(24.0 / 5.0)
+    assert rows["gravac"]["final_minus_dense"] == pytest.approx(0.01)
+    assert rows["topk:1000"]["time_to_dense_final_s"] is None and rows["topk:1000"]["tta_speedup_vs_dense"] is None
+    assert rows["fp16"]["compression_ratio"] == pytest.approx(2.0)
+    assert rows["gravac"]["step_speedup_vs_dense"] == pytest.approx(4.0)
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| gravac |" in md and "not reached" in md and "6.00x" in md
+    for name in ("throughput_by_method.png", "accuracy_vs_time.png", "cf_bits.png"):
+        assert (tmp_path / "cmp" / name).read_bytes()[:8] == PNG
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
