@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compression", type=_compression, default="none",
                    help=f"gradient compression: {registry.COMPRESSION_HELP} (default none = dense fp32; "
                         "fp16 = Horovod's hvd.Compression.fp16)")
+    c.add_argument("--label", default=None,
+                   help="name of this run in reports and comparisons (default: the --compression spec)")
     c.add_argument("--gravac-epsilon", type=_positive_float, default=0.9,
                    help="GraVAC: minimum compression gain to accept a CF (default 0.9, the paper's)")
     c.add_argument("--gravac-window", type=_window, default="auto",
@@ -256,6 +258,7 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         "weight_decay": d["weight_decay"] if a.weight_decay is None else a.weight_decay,
         "clip": d["clip"] if a.clip is None else a.clip, "lr_schedule": a.lr_schedule, "seed": a.seed,
         "warmup": a.warmup, "eval_every": a.eval_every, "target": a.target, "compression": a.compression,
+        "label": a.label,
         "gravac_epsilon": a.gravac_epsilon, "gravac_window": a.gravac_window, "gravac_cf_min": a.gravac_cf_min,
         "gravac_cf_max": a.gravac_cf_max, "gravac_compressor": a.gravac_compressor,
         "min_compress_numel": a.min_compress_numel, "hosts": a.hosts, "np": a.np, "bandwidth": a.bandwidth,

@@ -74,7 +74,7 @@ def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     best = (min(vals) if metric == "perplexity" else max(vals)) if vals else None
     target = config.get("target")
     return {
-        "method": config["compression"], "model": config["model"], "dataset": config["dataset"],
+        "method": config.get("label") or config["compression"], "model": config["model"], "dataset": config["dataset"],
         "data": config.get("data"), "hosts": config["hosts"], "ranks": size,
         "bandwidth": config.get("bandwidth") or "loopback", "job": meta.get("job") or None,
         "parameters": meta["parameters"], "steps": len(steps), "epochs": evals[-1]["epoch"] if evals else 0,

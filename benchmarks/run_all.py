@@ -1,53 +1,393 @@
-"""`make bench`: run the project's benchmarks one after another and keep their outputs in results/.
+"""`make bench`: run the benchmark matrix that fits this machine and regenerate BENCHMARKS.md from it.
 
-Each benchmark prints its own side-by-side ratios; this runner only sequences them and records the
-exact commands. (The CIFAR/ImageNet/LSTM suite and the BENCHMARKS.md generator are not built yet.)
+    python -m benchmarks.run_all                 # the default matrix (about an hour on 2 cores; root for netem)
+    python -m benchmarks.run_all --quick         # tiny sizes: checks that every piece runs (a few minutes)
+    python -m benchmarks.run_all --only tta,crossover --report BENCHMARKS.md
+    python -m benchmarks.run_all --large --data-root /data   # 4 hosts, 10 Gbit/s, real data sets (hours)
+
+Every figure in the report comes from this run: each section records its exact command, its printed
+output and its plots (copied to docs/img/bench/). Sections that need the emulated network are skipped,
+with the reason, when it is unavailable (not root, no `tc`).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
+import shlex
+import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+IMG = Path("docs/img/bench")
+
+#: the time-to-accuracy task: an MLP on digits, communication-bound on the emulated links
+TTA_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "gravac", "dqsgd"]
+#: GraVAC as the demo tunes it (docs/compression.md: the paper's epsilon 0.9 keeps these models dense)
+GRAVAC_TUNED = ["--gravac-cf-min", "30", "--gravac-epsilon", "0.15", "--gravac-window", "100"]
 
 
-def commands(out: Path, quick: bool) -> list[list[str]]:
-    py = sys.executable
-    cmds = [
-        ["taskset", "-c", "0", py, "benchmarks/bench_compressors.py", "--no-fallback", "--json",
-         str(out / "compressors.json")] + (["--numel", "2000000"] if quick else []),
-        ["taskset", "-c", "0", py, "benchmarks/bench_quantize.py", "--json", str(out / "quantize.json")]
-        + (["--numel", "2000000"] if quick else []),
-        [py, "-m", "benchmarks.bench_dqsgd", "--epochs", "5" if quick else "20", "--out", str(out / "dqsgd")],
+@dataclass
+class Run:
+    """One command of a section; ``result`` is the results.json it writes (crossover-bench runs)."""
+
+    argv: list[str]
+    result: Path | None = None
+
+
+@dataclass
+class Section:
+    """A part of the report: what it shows, the commands that measure it, and how to render it."""
+
+    key: str
+    title: str
+    about: str
+    runs: list[Run]
+    needs_netem: bool = False
+    render: Callable[[Section, Path], str] | None = None
+    images: list[Path] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    status: str = "not run"
+    seconds: float = 0.0
+
+
+def _bench(out: Path, *args: str, label: str | None = None) -> Run:
+    run_dir = out / (label or args[args.index("--compression") + 1].replace(":", ""))
+    argv = [sys.executable, "-m", "benchmarks.cli", *args, "--out", str(run_dir)]
+    if label:
+        argv += ["--label", label]
+    return Run(argv, run_dir / "results.json")
+
+
+def tta_runs(out: Path, rate: str, width: str, epochs: str, quick: bool, hosts: int = 2,
+             data: list[str] | None = None) -> list[Run]:
+    """Every method of the time-to-accuracy matrix on one link rate: same task, epochs and learning rate."""
+    task = data or ["--model", "mlp", "--dataset", "digits", "--width", width]
+    common = [*task, "--hosts", str(hosts), "--bandwidth", rate, "--epochs", epochs, "--lr", "0.2",
+              "--momentum", "0", "--min-compress-numel", "4096", "--warmup", "5"]
+    if quick:
+        common += ["--steps-per-epoch", "4"]
+    runs = []
+    for m in TTA_METHODS:
+        extra = GRAVAC_TUNED if m == "gravac" else []
+        runs.append(_bench(out, *common, "--compression", m, *extra))
+    if rate == "1gbit" and not quick:  # the paper's setting, for the record
+        runs.append(_bench(out, *common, "--compression", "gravac", label="gravac-eps0.9"))
+    return runs
+
+
+def workload_runs(out: Path, quick: bool) -> list[Run]:
+    """CIFAR-, ImageNet- and PTB-shaped workloads on synthetic data: throughput of a few methods at 1 Gbit/s."""
+    steps = "3" if quick else "20"
+    shapes = [
+        ("resnet18-cifar", ["--model", "resnet18", "--dataset", "cifar10", "--width", "0.5"]),
+        ("vgg16-imagenet32", ["--model", "vgg16", "--dataset", "imagenet", "--image-size", "32", "--width", "0.5",
+                              "--num-classes", "10", "--batch-size", "16"]),
+        ("lstm-ptb", ["--model", "lstm", "--dataset", "ptb", "--width", "0.5"]),
     ]
-    step = [py, "-m", "benchmarks.bench_step", "--methods", "dense,fp16,topk:100,adaptive,adaptive:0.5,adaptive-off",
-            "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "20",
-            "--json", str(out / "step.json")]
-    if os.geteuid() == 0:  # the emulated network needs root
-        step += ["--rate", "1gbit"]
-    cmds.append(step)
-    return cmds
+    runs = []
+    for name, args in shapes:
+        for m in ("none", "fp16", "topk:100", "gravac"):
+            extra = GRAVAC_TUNED if m == "gravac" else []
+            d = out / name
+            runs.append(_bench(d, *args, "--data", "synthetic", "--hosts", "2", "--bandwidth", "1gbit",
+                               "--epochs", "1", "--max-steps", steps, "--eval-samples", "256", "--warmup", "3",
+                               "--compression", m, *extra))
+    return runs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results", help="output folder (default results/)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    args = parser.parse_args()
-    out = (REPO / args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list[Section]:
+    """The matrix: micro-benchmarks, time to accuracy at 100 Mbit/s and 1 Gbit/s, workloads, crossover."""
+    py = sys.executable
+    small = ["--numel", "2000000"] if quick else []
+    s = [
+        Section("compressors", "Compressor cost on one core",
+                "Compress + decompress time of each compressor relative to one read pass over the gradient "
+                "(25 M float32 elements, a ResNet-50 gradient). A compressor costing more CPU than the "
+                "communication it saves is a regression.",
+                [Run(["taskset", "-c", "0", py, "benchmarks/bench_compressors.py", "--no-fallback", "--json",
+                      str(out / "compressors.json"), *small])]),
+        Section("quantizer", "Quantizer cost on one core",
+                "QSGD-style stochastic quantization (C kernels) against a read pass and a naive torch version.",
+                [Run(["taskset", "-c", "0", py, "benchmarks/bench_quantize.py", "--json", str(out / "quantize.json"),
+                      *small])]),
+        Section("step", "Training-step time on an emulated 1 Gbit/s link, 2 hosts",
+                "One process per emulated host, every method in the same processes, interleaved; a 12 M "
+                "parameter MLP (communication-bound).",
+                [Run([py, "-m", "benchmarks.bench_step", "--methods",
+                      "dense,hvd-fp16,fp16,topk:100,adaptive,adaptive:0.5,adaptive-off",
+                      "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "20",
+                      "--rate", "1gbit", "--json", str(out / "step.json")])], needs_netem=True),
+        Section("dqsgd", "DQ-SGD on the digits task",
+                "Dense, DQ-SGD and static QSGD train the digits MLP for the same epochs (loopback, 2 ranks).",
+                [Run([py, "-m", "benchmarks.bench_dqsgd", "--epochs", "3" if quick else "20",
+                      "--out", str(out / "dqsgd")])], images=[out / "dqsgd.png"]),
+    ]
+    epochs = "2" if quick else "20"
+    for rate, width in (("100mbit", "1"), ("1gbit", "4")):
+        s.append(Section(
+            f"tta-{rate}", f"Time to accuracy, digits MLP, 2 emulated hosts at {rate}",
+            f"Every method trains the same MLP (width {width}: hidden {int(512 * float(width))}) on digits for "
+            f"the same {epochs} epochs with the same learning rate (SGD 0.2, no momentum); the target is the dense "
+            "fp32 run's final accuracy. GraVAC runs with the demo's settings (" + " ".join(GRAVAC_TUNED) + ")"
+            + ("; `gravac-eps0.9` is the paper's epsilon." if rate == "1gbit" and not quick else "."),
+            tta_runs(out / f"tta-{rate}", rate, width, epochs, quick), needs_netem=True, render=render_compare))
+    s.append(Section(
+        "workloads", "CIFAR, ImageNet and PTB shaped workloads at 1 Gbit/s (synthetic data)",
+        "Step time and bytes of ResNet-18 (CIFAR shape, half width), VGG-16 (ImageNet head, 32x32 inputs, half "
+        "width: 34 M parameters, mostly in the classifier) and a 2-layer LSTM language model (half width) over "
+        "a few steps; accuracy is not meaningful over so few steps.",
+        workload_runs(out / "workloads", quick), needs_netem=True, render=render_compare))
+    s.append(Section(
+        "crossover", "Crossover scheduling: two jobs sharing two emulated hosts",
+        "Two identical 2-rank jobs, one rank per emulated host, each host's device one pinned core; one "
+        "after the other, both at once without the scheduler, both under crossover (interleaved repeats).",
+        [Run([py, "benchmarks/bench_crossover.py", "--repeat", "1" if quick else "2", "--steps", "5" if quick
+              else "20", "--params", "1000000" if quick else "4000000", "--json", str(out / "crossover.json")]),
+         _bench(out / "crossover-timeline", "--model", "mlp", "--dataset", "digits", "--width", "4", "--hosts", "2",
+                "--bandwidth", "300mbit", "--epochs", "1", "--max-steps", "12" if quick else "40", "--crossover",
+                "--compression", "none")],
+        needs_netem=True, images=[out / "crossover-timeline" / "none" / "timeline.png"]))
+    if large:
+        root = data_root or "synthetic"
+        for rate in ("1gbit", "10gbit"):
+            for name, task in (
+                ("cifar10-resnet18", ["--model", "resnet18", "--dataset", "cifar10",
+                                      "--data", f"{root}/cifar-10-batches-py" if data_root else "synthetic"]),
+                ("imagenet-resnet50", ["--model", "resnet50", "--dataset", "imagenet",
+                                       "--data", f"{root}/imagenet" if data_root else "synthetic"]),
+                ("ptb-lstm", ["--model", "lstm", "--dataset", "ptb", "--data", f"{root}/ptb" if data_root
+                              else "synthetic"]),
+            ):
+                s.append(Section(f"large-{name}-{rate}", f"{name} on 4 emulated hosts at {rate}",
+                                 "The larger matrix (--large): real data sets when --data-root is given.",
+                                 tta_runs(out / f"large-{name}-{rate}", rate, "1", "1", quick, hosts=4, data=task),
+                                 needs_netem=True, render=render_compare))
+    return s
+
+
+def render_compare(section: Section, img_dir: Path) -> str:
+    """The comparison table of a section's crossover-bench runs, and its plots."""
+    from benchmarks import report
+
+    paths = [r.result for r in section.runs if r.result is not None and r.result.is_file()]
+    if not paths:
+        return "_no run finished_\n"
+    out = paths[0].parent.parent / "compare"
+    res = report.compare(paths, out)
+    section.images += [Path(f) for f in res["files"] if f.endswith(".png")]
+    return res["table"] + "\n"
+
+
+def run_section(sec: Section, log_dir: Path, netem_reason: str | None) -> None:
+    """Run every command of a section, keeping each one's output."""
+    if sec.needs_netem and netem_reason:
+        sec.status = f"skipped: {netem_reason}"
+        return
+    t0 = time.monotonic()
     failed = 0
-    for cmd in commands(out, args.quick):
-        print("\n$", " ".join(cmd), flush=True)
-        rc = subprocess.call(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-        failed += rc != 0
-    print(f"\n{failed} benchmark(s) failed; outputs in {out}")
-    sys.exit(1 if failed else 0)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for i, run in enumerate(sec.runs):
+        print(f"\n[{sec.key} {i + 1}/{len(sec.runs)}] $ {shlex.join(_show(run.argv))}", flush=True)
+        proc = subprocess.run(run.argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, stdin=subprocess.DEVNULL)
+        text = proc.stdout
+        (log_dir / f"{sec.key}-{i}.log").write_text(text)
+        tail = "\n".join(text.rstrip().splitlines()[-12:])
+        print(tail, flush=True)
+        if proc.returncode != 0:
+            failed += 1
+            text += f"\n(exit status {proc.returncode})"
+        sec.outputs.append(text)
+    sec.seconds = time.monotonic() - t0
+    sec.status = "ok" if not failed else f"{failed} of {len(sec.runs)} command(s) failed"
+
+
+def _show(argv: list[str]) -> list[str]:
+    """A command as a user would type it (repo-relative paths, `python` for this interpreter)."""
+    shown = []
+    for a in argv:
+        if a == sys.executable:
+            a = "python"
+        elif a.startswith(str(REPO) + "/"):
+            a = os.path.relpath(a, REPO)
+        shown.append(a)
+    return shown
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    """The part of a benchmark's output worth printing in the report (its last lines, progress bars out)."""
+    lines = [ln for ln in text.rstrip().splitlines() if "\r" not in ln and "it/s]" not in ln]
+    return "\n".join(lines[-limit:])
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    def version(mod: str) -> str:
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing framework is just reported
+            return "not installed"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "commit": commit,
+            "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+            "torch": version("torch"), "horovod": version("horovod"), "load": os.getloadavg()[0]}
+
+
+def targets(secs: list[Section]) -> list[str]:
+    """The issues' performance targets, checked against what this run measured."""
+    lines = []
+    by_key = {s.key: s for s in secs}
+    tta = by_key.get("tta-1gbit")
+    if tta is not None and tta.status == "ok":
+        cmp = next((r.result.parent.parent / "compare" / "compare.json" for r in tta.runs if r.result), None)
+        if cmp is not None and cmp.is_file():
+            rows = {r["method"]: r for r in json.loads(cmp.read_text())["rows"]}
+            g = rows.get("gravac")
+            if g:
+                def ok(v: float | None, t: float) -> str:
+                    return "not reached" if v is None else f"{v:.2f}x ({'PASS' if v >= t else 'FAIL'})"
+                lines.append(f"| GraVAC time to dense accuracy vs dense fp32, 1 Gbit/s (>= 3x) | "
+                             f"{ok(g['tta_speedup_vs_dense'], 3.0)} |")
+                lines.append(f"| GraVAC time to dense accuracy vs Horovod fp16, 1 Gbit/s (>= 1.5x) | "
+                             f"{ok(g['tta_speedup_vs_fp16'], 1.5)} |")
+                d = g["final_minus_dense"]
+                lines.append("| GraVAC final accuracy within 1 point of dense | " + (
+                    "-" if d is None else f"{100 * d:+.2f} points ({'PASS' if d >= -0.01 else 'FAIL'})") + " |")
+    cx = by_key.get("crossover")
+    if cx is not None and cx.status == "ok" and "--json" in cx.runs[0].argv:
+        path = Path(cx.runs[0].argv[cx.runs[0].argv.index("--json") + 1])
+        if path.is_file():
+            res = json.loads(path.read_text())
+            lines += _crossover_targets(res)
+    return lines
+
+
+def _crossover_targets(res: dict[str, Any]) -> list[str]:
+    import statistics
+
+    runs = res["runs"]
+    if not all(runs.get(m) for m in ("sequential", "uncoordinated", "crossover")):
+        return []
+    agg = {m: statistics.median(e["aggregate_steps_per_s"] for e in r) for m, r in runs.items()}
+    c = statistics.median(j["median_compute_s"] for e in runs["sequential"] for j in e["jobs"].values())
+    m = statistics.median(j["median_sync_s"] for e in runs["sequential"] for j in e["jobs"].values())
+    ideal = 2 / max(2 * c, c + m)
+    p99 = res.get("rtt", {}).get("p99_us")
+    out = [
+        f"| crossover vs one after the other (>= 1.3x) | {agg['crossover'] / agg['sequential']:.2f}x "
+        f"({'PASS' if agg['crossover'] >= 1.3 * agg['sequential'] else 'FAIL'}) |",
+        f"| crossover vs uncoordinated (>= 1.15x) | {agg['crossover'] / agg['uncoordinated']:.2f}x "
+        f"({'PASS' if agg['crossover'] >= 1.15 * agg['uncoordinated'] else 'FAIL'}) |",
+        f"| crossover vs ideal max(2C, C+M) (>= 90%) | {100 * agg['crossover'] / ideal:.0f}% "
+        f"({'PASS' if agg['crossover'] >= 0.9 * ideal else 'FAIL'}) |",
+    ]
+    if p99 is not None:
+        verdict = "PASS" if p99 <= 200 else "FAIL"
+        out.append(f"| acquire/release round trip p99 (<= 200 us) | {p99:.0f} us ({verdict}) |")
+    return out
+
+
+def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: list[str], wall: float) -> None:
+    """BENCHMARKS.md: machine, targets, then every section with its commands, output, tables and plots."""
+    img_root = REPO / IMG
+    if img_root.exists():  # the report owns this folder: no plot from an older run survives
+        shutil.rmtree(img_root)
+    img_root.mkdir(parents=True)
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`python -m benchmarks.run_all`); every figure below was measured by the run "
+        "described here, with the commands shown. Re-run it to regenerate this file on your machine.",
+        "",
+        f"- run: `{shlex.join(['python', '-m', 'benchmarks.run_all', *argv])}`, {info['date']}, commit "
+        f"{info['commit']}, {wall / 60:.0f} minutes",
+        f"- machine: {info['cores']} cores, Linux {info['kernel']}, Python {info['python']}, torch {info['torch']}, "
+        f"Horovod {info['horovod']}; load average {info['load']:.2f} at the start (a shared machine: other "
+        "processes lower and scatter the figures)",
+        "- emulated network: `crossover.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
+        "this kernel lacks `sch_netem`)",
+        "",
+    ]
+    tgt = targets(secs)
+    if tgt:
+        out += ["## Targets from the issues, as measured in this run", "", "| target | measured |", "|---|---|",
+                *tgt, ""]
+    for sec in secs:
+        out += [f"## {sec.title}", "", sec.about, "", f"Status: {sec.status}"
+                + (f" ({sec.seconds / 60:.1f} min)" if sec.seconds else "") + ".", ""]
+        if not sec.outputs:
+            continue
+        out += ["Commands:", "", "```"] + [shlex.join(_show(r.argv)) for r in sec.runs] + ["```", ""]
+        if sec.render is not None:
+            out.append(sec.render(sec, img_root))
+        else:
+            for text in sec.outputs:
+                out += ["```", _excerpt(text), "```", ""]
+        for img in sec.images:
+            if img.is_file():
+                dest = img_root / f"{sec.key}-{img.name}"
+                shutil.copyfile(img, dest)
+                out += [f"![{sec.key} {img.stem}]({IMG / dest.name})", ""]
+    path.write_text("\n".join(out) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected sections and write the report."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/bench", help="where runs keep their files (default %(default)s)")
+    p.add_argument("--report", default="BENCHMARKS.md", help="report to write (default %(default)s)")
+    p.add_argument("--no-report", action="store_true", help="run, but leave the report alone")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every section")
+    p.add_argument("--only", default=None, help="comma-separated section keys (see --list)")
+    p.add_argument("--list", action="store_true", help="list the sections and exit")
+    p.add_argument("--large", action="store_true", help="add the larger matrix: 4 hosts, 1 and 10 Gbit/s, ResNet-50")
+    p.add_argument("--data-root", default=None,
+                   help="with --large: folder with cifar-10-batches-py/, imagenet/ and ptb/ (default: synthetic)")
+    args = p.parse_args(argv)
+    out = (REPO / args.out).resolve()
+    secs = sections(out, args.quick, args.large, args.data_root)
+    if args.list:
+        for s in secs:
+            print(f"{s.key:<28}{s.title} ({len(s.runs)} command(s))")
+        return 0
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        unknown = [k for k in keys if not any(s.key == k or s.key.startswith(k + "-") for s in secs)]
+        if unknown:
+            p.error(f"--only: unknown section(s) {', '.join(unknown)}; see --list")
+        secs = [s for s in secs if any(s.key == k or s.key.startswith(k + "-") for k in keys)]
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "logs").mkdir()
+    from crossover import netem
+
+    reason = netem.netem_unavailable_reason()
+    info = machine()
+    t0 = time.monotonic()
+    for sec in secs:
+        run_section(sec, out / "logs", reason)
+        print(f"== {sec.key}: {sec.status} ({sec.seconds / 60:.1f} min)", flush=True)
+    wall = time.monotonic() - t0
+    if not args.no_report:
+        write_report(REPO / args.report, secs, info, list(sys.argv[1:] if argv is None else argv), wall)
+        print(f"\nwrote {args.report} ({wall / 60:.1f} minutes)")
+    failed = [s.key for s in secs if s.status not in ("ok",) and not s.status.startswith("skipped")]
+    if failed:
+        print(f"failed: {', '.join(failed)}; logs in {out / 'logs'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
