@@ -5,6 +5,7 @@
 # A second run takes seconds: nothing is rebuilt unless CROSSOVER_REBUILD=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"  # TensorFlow's C++ start-up chatter
 say() { echo "[setup] $*"; }
 need() {  # need CMD "what to install"
   command -v "$1" >/dev/null 2>&1 || { echo "[setup] ERROR: '$1' not found. $2" >&2; exit 1; }
@@ -83,7 +84,13 @@ from crossover.compression.quantize import build_quantize_kernels as b; sys.exit
 
 # 8. Verify the build the way Horovod users do.
 BIN=$(dirname "$PY")
-"$BIN/horovodrun" --check-build | tee /tmp/crossover-check-build.txt
-grep -q '\[X\] PyTorch' /tmp/crossover-check-build.txt || { echo "[setup] ERROR: Horovod lacks PyTorch" >&2; exit 1; }
-grep -q '\[X\] Gloo' /tmp/crossover-check-build.txt || { echo "[setup] ERROR: Horovod lacks Gloo" >&2; exit 1; }
+CHECK=$(mktemp /tmp/crossover-check-build.XXXXXX)  # per run: several environments may set up at once
+trap 'rm -f "$CHECK"' EXIT
+"$BIN/horovodrun" --check-build | tee "$CHECK"
+grep -q '\[X\] PyTorch' "$CHECK" || { echo "[setup] ERROR: Horovod lacks PyTorch" >&2; exit 1; }
+grep -q '\[X\] Gloo' "$CHECK" || { echo "[setup] ERROR: Horovod lacks Gloo" >&2; exit 1; }
+if [ "${WITH_TF:-0}" = "1" ]; then
+  grep -q '\[X\] TensorFlow' "$CHECK" \
+    || { echo "[setup] ERROR: Horovod lacks TensorFlow (rebuild: CROSSOVER_REBUILD=1 WITH_TF=1 make setup)" >&2; exit 1; }
+fi
 say "ready: $PY"
