@@ -112,7 +112,9 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         Section("compressors", "Compressor cost on one core",
                 "Compress + decompress time of each compressor relative to one read pass over the gradient "
                 "(25 M float32 elements, a ResNet-50 gradient). A compressor costing more CPU than the "
-                "communication it saves is a regression.",
+                "communication it saves is a regression. The targets (top-k class <= 6x, fp16 round trip "
+                "<= 2x a read pass) are checked in the output; an fp16 round trip moves 12 bytes per element "
+                "against the read pass's 4, so its 2x target is hard on a CPU.",
                 [Run(["taskset", "-c", "0", py, "benchmarks/bench_compressors.py", "--no-fallback", "--json",
                       str(out / "compressors.json"), *small])]),
         Section("quantizer", "Quantizer cost on one core",
@@ -121,7 +123,8 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                       *small])]),
         Section("step", "Training-step time on an emulated 1 Gbit/s link, 2 hosts",
                 "One process per emulated host, every method in the same processes, interleaved; a 12 M "
-                "parameter MLP (communication-bound).",
+                "parameter MLP (communication-bound). `adaptive` is GraVAC with the paper's epsilon 0.9 and a "
+                "short window; `adaptive-off` measures the overhead of the hook with compression off.",
                 [Run([py, "-m", "benchmarks.bench_step", "--methods",
                       "dense,hvd-fp16,fp16,topk:100,adaptive,adaptive:0.5,adaptive-off",
                       "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "20",
@@ -144,7 +147,8 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         "workloads", "CIFAR, ImageNet and PTB shaped workloads at 1 Gbit/s (synthetic data)",
         "Step time and bytes of ResNet-18 (CIFAR shape, half width), VGG-16 (ImageNet head, 32x32 inputs, half "
         "width: 34 M parameters, mostly in the classifier) and a 2-layer LSTM language model (half width) over "
-        "a few steps; accuracy is not meaningful over so few steps.",
+        "a few steps; accuracy is not meaningful over so few steps, and GraVAC spends its first steps "
+        "probing, so its step time here is an upper bound.",
         workload_runs(out / "workloads", quick), needs_netem=True, render=render_compare))
     s.append(Section(
         "crossover", "Crossover scheduling: two jobs sharing two emulated hosts",
@@ -316,6 +320,8 @@ def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: li
         "processes lower and scatter the figures)",
         "- emulated network: `crossover.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
         "this kernel lacks `sch_netem`)",
+        "- analysis of earlier runs (why fp16 loses to dense on Gloo/CPU, why GraVAC's epsilon 0.9 stays dense "
+        "on these models): [docs/benchmark-history.md](docs/benchmark-history.md)",
         "",
     ]
     tgt = targets(secs)
