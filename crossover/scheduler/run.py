@@ -268,6 +268,10 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+def _on_sigint(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
     """Start all jobs, relay output, wait. Returns None normally, or the exit status after an interrupt."""
     lock = threading.Lock()
@@ -353,11 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if crossover:
         os.makedirs(telemetry_dir, exist_ok=True)
+    # Explicit handlers: a process started in the background by a non-interactive shell inherits SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt; `kill -INT` must still stop every job.
     old = signal.signal(signal.SIGTERM, _on_sigterm)
+    old_int = signal.signal(signal.SIGINT, _on_sigint)
     try:
         interrupted = _run(jobs, args.fail_fast, args.grace)
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
     if interrupted is not None:
         return interrupted
     if crossover:
