@@ -301,7 +301,8 @@ def _crossover_targets(res: dict[str, Any]) -> list[str]:
     return out
 
 
-def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: list[str], wall: float) -> None:
+def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: list[str], wall: float,
+                 rerendered: bool = False) -> None:
     """BENCHMARKS.md: machine, targets, then every section with its commands, output, tables and plots."""
     img_root = REPO / IMG
     if img_root.exists():  # the report owns this folder: no plot from an older run survives
@@ -314,7 +315,8 @@ def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: li
         "described here, with the commands shown. Re-run it to regenerate this file on your machine.",
         "",
         f"- run: `{shlex.join(['python', '-m', 'benchmarks.run_all', *argv])}`, {info['date']}, commit "
-        f"{info['commit']}, {wall / 60:.0f} minutes",
+        f"{info['commit']}, {wall / 60:.0f} minutes"
+        + (" (this file re-rendered later from that run's saved outputs with `--report-only`)" if rerendered else ""),
         f"- machine: {info['cores']} cores, Linux {info['kernel']}, Python {info['python']}, torch {info['torch']}, "
         f"Horovod {info['horovod']}; load average {info['load']:.2f} at the start (a shared machine: other "
         "processes lower and scatter the figures)",
@@ -324,26 +326,28 @@ def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: li
         "on these models): [docs/benchmark-history.md](docs/benchmark-history.md)",
         "",
     ]
-    tgt = targets(secs)
-    if tgt:
-        out += ["## Targets from the issues, as measured in this run", "", "| target | measured |", "|---|---|",
-                *tgt, ""]
-    for sec in secs:
-        out += [f"## {sec.title}", "", sec.about, "", f"Status: {sec.status}"
-                + (f" ({sec.seconds / 60:.1f} min)" if sec.seconds else "") + ".", ""]
+    body: list[str] = []
+    for sec in secs:  # rendered first: the targets read the comparisons the rendering writes
+        body += [f"## {sec.title}", "", sec.about, "", f"Status: {sec.status}"
+                 + (f" ({sec.seconds / 60:.1f} min)" if sec.seconds else "") + ".", ""]
         if not sec.outputs:
             continue
-        out += ["Commands:", "", "```"] + [shlex.join(_show(r.argv)) for r in sec.runs] + ["```", ""]
+        body += ["Commands:", "", "```"] + [shlex.join(_show(r.argv)) for r in sec.runs] + ["```", ""]
         if sec.render is not None:
-            out.append(sec.render(sec, img_root))
+            body.append(sec.render(sec, img_root))
         else:
             for text in sec.outputs:
-                out += ["```", _excerpt(text), "```", ""]
+                body += ["```", _excerpt(text), "```", ""]
         for img in sec.images:
             if img.is_file():
                 dest = img_root / f"{sec.key}-{img.name}"
                 shutil.copyfile(img, dest)
-                out += [f"![{sec.key} {img.stem}]({IMG / dest.name})", ""]
+                body += [f"![{sec.key} {img.stem}]({IMG / dest.name})", ""]
+    tgt = targets(secs)
+    if tgt:
+        out += ["## Targets from the issues, as measured in this run", "", "| target | measured |", "|---|---|",
+                *tgt, ""]
+    out += body
     path.write_text("\n".join(out) + "\n")
 
 
@@ -354,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/bench", help="where runs keep their files (default %(default)s)")
     p.add_argument("--report", default="BENCHMARKS.md", help="report to write (default %(default)s)")
     p.add_argument("--no-report", action="store_true", help="run, but leave the report alone")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rewrite the report from the outputs an earlier run left in --out")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every section")
     p.add_argument("--only", default=None, help="comma-separated section keys (see --list)")
     p.add_argument("--list", action="store_true", help="list the sections and exit")
@@ -373,21 +379,37 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"--only: unknown section(s) {', '.join(unknown)}; see --list")
         secs = [s for s in secs if any(s.key == k or s.key.startswith(k + "-") for k in keys)]
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / "logs").mkdir()
-    from crossover import netem
+    if args.report_only:
+        saved = json.loads((out / "status.json").read_text())
+        info, wall, argv_run = saved["machine"], saved["wall_s"], saved["argv"]
+        for sec in secs:
+            st = saved["sections"].get(sec.key)
+            if st is None:
+                continue
+            sec.status, sec.seconds = st["status"], st["seconds"]
+            sec.outputs = [(out / "logs" / f"{sec.key}-{i}.log").read_text() for i in range(st["outputs"])]
+        secs = [s for s in secs if s.key in saved["sections"]]
+    else:
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        (out / "logs").mkdir()
+        from crossover import netem
 
-    reason = netem.netem_unavailable_reason()
-    info = machine()
-    t0 = time.monotonic()
-    for sec in secs:
-        run_section(sec, out / "logs", reason)
-        print(f"== {sec.key}: {sec.status} ({sec.seconds / 60:.1f} min)", flush=True)
-    wall = time.monotonic() - t0
+        reason = netem.netem_unavailable_reason()
+        info = machine()
+        argv_run = list(sys.argv[1:] if argv is None else argv)
+        t0 = time.monotonic()
+        for sec in secs:
+            run_section(sec, out / "logs", reason)
+            print(f"== {sec.key}: {sec.status} ({sec.seconds / 60:.1f} min)", flush=True)
+        wall = time.monotonic() - t0
+        (out / "status.json").write_text(json.dumps({
+            "machine": info, "wall_s": wall, "argv": argv_run,
+            "sections": {s.key: {"status": s.status, "seconds": s.seconds, "outputs": len(s.outputs)} for s in secs},
+        }, indent=1))
     if not args.no_report:
-        write_report(REPO / args.report, secs, info, list(sys.argv[1:] if argv is None else argv), wall)
+        write_report(REPO / args.report, secs, info, argv_run, wall, rerendered=args.report_only)
         print(f"\nwrote {args.report} ({wall / 60:.1f} minutes)")
     failed = [s.key for s in secs if s.status not in ("ok",) and not s.status.startswith("skipped")]
     if failed:
