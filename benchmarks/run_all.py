@@ -140,7 +140,9 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
             f"tta-{rate}", f"Time to accuracy, digits MLP, 2 emulated hosts at {rate}",
             f"Every method trains the same MLP (width {width}: hidden {int(512 * float(width))}) on digits for "
             f"the same {epochs} epochs with the same learning rate (SGD 0.2, no momentum); the target is the dense "
-            "fp32 run's final accuracy. GraVAC runs with the demo's settings (" + " ".join(GRAVAC_TUNED) + ")"
+            "fp32 run's final accuracy, checked once per epoch on a 360-image test set (accuracy moves by about "
+            "a point between epochs, so time-to-target figures are coarse). GraVAC runs with the demo's settings ("
+            + " ".join(GRAVAC_TUNED) + ")"
             + ("; `gravac-eps0.9` is the paper's epsilon." if rate == "1gbit" and not quick else "."),
             tta_runs(out / f"tta-{rate}", rate, width, epochs, quick), needs_netem=True, render=render_compare))
     s.append(Section(
