@@ -39,8 +39,9 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from crossover.adaptive.gravac import GravacPolicy, StepStats
+from crossover.adaptive.gravac import StepStats
 from crossover.adaptive.static import StaticPolicy
+from horovod_ext._policies import dqsgd_instead, gravac_or_dense
 
 __all__ = ["AdaptiveCompression", "FP16Compression", "StaticCompression"]
 
@@ -559,14 +560,7 @@ class AdaptiveCompression(_SparseCompressionBase):
         if policy == "dqsgd":
             from .tf_quantization import DqsgdCompression
 
-            if args:
-                raise ValueError("policy='dqsgd' quantizes: it takes no compressor name")
-            try:
-                return DqsgdCompression(**kwargs)
-            except TypeError as exc:
-                raise ValueError(f"policy='dqsgd': {exc} (DQ-SGD takes total_steps, lr, error_budget, "
-                                 "target_bits, b_min, b_max, decay, error_feedback, min_compress_numel, seed, "
-                                 "transport)") from None
+            return dqsgd_instead(DqsgdCompression, args, kwargs)
         return super().__new__(cls)
 
     def __init__(self, compressor: str = "topk", *, cf_min: float = 10.0, cf_max: float = 1000.0,
@@ -574,11 +568,8 @@ class AdaptiveCompression(_SparseCompressionBase):
                  scaling: str = "exponential", warmup_steps: int = 0, ewma_alpha: float = 0.1,
                  error_feedback: bool = True, min_compress_numel: int = 16384, enabled: bool = True,
                  seed: int = 0, log_csv: str | None = None, policy: str = "gravac") -> None:
-        if policy != "gravac":
-            raise ValueError(f"policy must be 'gravac' or 'dqsgd', got {policy!r}")
-        pol = GravacPolicy(cf_min=cf_min, cf_max=cf_max, epsilon=epsilon, omega=omega, window=window,
-                           scaling=scaling, warmup_steps=warmup_steps, ewma_alpha=ewma_alpha) \
-            if enabled else StaticPolicy(cf=1.0)
+        pol = gravac_or_dense(enabled, policy, cf_min=cf_min, cf_max=cf_max, epsilon=epsilon, omega=omega,
+                              window=window, scaling=scaling, warmup_steps=warmup_steps, ewma_alpha=ewma_alpha)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
                          seed=seed, log_csv=log_csv, passthrough=not enabled)
         self.enabled = bool(enabled)

@@ -30,11 +30,12 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from crossover.adaptive.gravac import GravacPolicy, StepStats
+from crossover.adaptive.gravac import StepStats
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression import cost_model, kernels
 from crossover.compression.selectors import Selector, apply_mask, k_for, make_selector
 from horovod_ext._hook import GradientKeys, hook_caller
+from horovod_ext._policies import dqsgd_instead, gravac_or_dense
 
 __all__ = ["AdaptiveCompression", "FP16Compression", "StaticCompression"]
 
@@ -345,14 +346,7 @@ class AdaptiveCompression(_SparseCompressionBase):
         if policy == "dqsgd":
             from .torch_quantization import DqsgdCompression
 
-            if args:
-                raise ValueError("policy='dqsgd' quantizes: it takes no compressor name")
-            try:
-                return DqsgdCompression(**kwargs)
-            except TypeError as exc:
-                raise ValueError(f"policy='dqsgd': {exc} (DQ-SGD takes total_steps, lr, error_budget, "
-                                 "target_bits, b_min, b_max, decay, error_feedback, min_compress_numel, seed, "
-                                 "transport)") from None
+            return dqsgd_instead(DqsgdCompression, args, kwargs)
         return super().__new__(cls)
 
     def __init__(self, compressor: str = "topk", *, cf_min: float = 10.0, cf_max: float = 1000.0,
@@ -360,11 +354,8 @@ class AdaptiveCompression(_SparseCompressionBase):
                  scaling: str = "exponential", warmup_steps: int = 0, ewma_alpha: float = 0.1,
                  error_feedback: bool = True, min_compress_numel: int = 16384, enabled: bool = True,
                  seed: int = 0, log_csv: str | None = None, policy: str = "gravac") -> None:
-        if policy != "gravac":
-            raise ValueError(f"policy must be 'gravac' or 'dqsgd', got {policy!r}")
-        pol = GravacPolicy(cf_min=cf_min, cf_max=cf_max, epsilon=epsilon, omega=omega, window=window,
-                           scaling=scaling, warmup_steps=warmup_steps, ewma_alpha=ewma_alpha) \
-            if enabled else StaticPolicy(cf=1.0)
+        pol = gravac_or_dense(enabled, policy, cf_min=cf_min, cf_max=cf_max, epsilon=epsilon, omega=omega,
+                              window=window, scaling=scaling, warmup_steps=warmup_steps, ewma_alpha=ewma_alpha)
         super().__init__(compressor, pol, error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
         self.enabled = bool(enabled)

@@ -25,12 +25,11 @@ from crossover.adaptive.dqsgd import (
     MAX_BITS,
     MIN_BITS,
     DqsgdPolicy,
-    DqsgdStats,
-    error_budget_for_bits,
     levels_for_bits,
 )
 from crossover.compression import cost_model, kernels, quantize
 from horovod_ext._hook import GradientKeys, hook_caller
+from horovod_ext._policies import dqsgd_observe
 
 from .torch_compression import _mix
 
@@ -281,16 +280,9 @@ class DqsgdCompression(_QuantizedBase):
         return self.target_bits if self.policy is None else self.policy.plan().bits
 
     def _observe(self, sq_norm: float, numel: int, lr: float | None) -> None:
-        world = hvd.size()
-        g = sq_norm / (world * world)  # variance of an average over `world` independently quantized ranks
-        if self.policy is None:
-            if not (g > 0 and lr):
-                return
-            budget = error_budget_for_bits(self.target_bits, grad_sq_norm=g, numel=numel, lr=lr,
-                                           total_steps=self.total_steps)
-            self.policy = DqsgdPolicy(error_budget=budget, **self._policy_kw)
-        self.policy.observe(DqsgdStats(grad_sq_norm=g, numel=numel, lr=lr if lr else float("nan"),
-                                       step=self._step - 1, bits=self._bits))
+        self.policy = dqsgd_observe(self.policy, sq_norm=sq_norm, world=hvd.size(), numel=numel, lr=lr,
+                                    step=self._step - 1, bits=self._bits, target_bits=self.target_bits,
+                                    total_steps=self.total_steps, policy_kw=self._policy_kw)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
