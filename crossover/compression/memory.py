@@ -1,0 +1,46 @@
+"""Error-feedback memory: the residual of each tensor (what compression left unsent), per key.
+
+GRACE's split: a compressor chooses what to send, the memory keeps what was not sent and adds it
+back next step, a communicator moves the payload. Residuals are keyed by the host's name for the
+tensor (Horovod's parameter name, a DDP bucket index) and follow the gradient's size and device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Residuals per tensor key; `enabled=False` keeps none (`residual` returns None)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def residual(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The residual for `key`, zeros of `like`'s size/dtype/device when new or when those changed."""
+        if not self.enabled:
+            return None
+        res = self._residuals.get(key)
+        if res is None or res.numel() != like.numel() or res.device != like.device or res.dtype != like.dtype:
+            res = torch.zeros_like(like)
+            self._residuals[key] = res
+        return res
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of every residual (for checkpoints)."""
+        return {k: v.clone() for k, v in self._residuals.items()}
+
+    def load(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        """Replace every residual by a copy of `residuals`."""
+        self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._residuals)
+
+    def __len__(self) -> int:
+        return len(self._residuals)

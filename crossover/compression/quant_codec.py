@@ -1,0 +1,131 @@
+"""Stochastic quantization (QSGD levels, DQ-SGD bits) with optional error feedback, for every host.
+
+`QuantCodec.encode(key, tensor, bits, step, comm)` quantizes one gradient at `bits` bits per element
+and returns the payload the host reduces; `decode` returns the averaged gradient and the reduced
+statistics `[1, ||x||^2]` (x = gradient + residual), which feed DQ-SGD's next choice of bits.
+
+Transports, by bytes (`choose_quant_transport`): packed codes by allgather (torch allreduce has no
+8-bit type; each rank's codes carry their own scale, so they cannot be summed), dequantized fp16
+values by allreduce (summable; wins for large worlds), or dense fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from crossover.adaptive.dqsgd import levels_for_bits
+from crossover.adaptive.driver import QUANT_STATS_LEN, shared_seed
+
+from . import cost_model, kernels, quantize
+from .collectives import Collectives
+from .memory import ErrorFeedback
+
+__all__ = ["QuantCodec", "QuantCtx", "choose_quant_transport", "TRANSPORTS"]
+
+TRANSPORTS = ("auto", "allgather", "allreduce")
+_FP16_MEAN_SQ_MAX = 60000.0  # ||x||^2 / n travels in fp16 on the fp16 path: clamp below fp16's max
+
+
+def choose_quant_transport(numel: int, bits: int, world: int) -> str:
+    """ALLGATHER of packed codes, ALLREDUCE of fp16 values, or DENSE fp32, whichever sends fewest bytes."""
+    options = {
+        cost_model.ALLGATHER: cost_model.allgather_bytes(quantize.packed_nbytes(numel, bits) + 4, world, 1),
+        cost_model.ALLREDUCE: cost_model.allreduce_bytes(numel, world, 2),
+        cost_model.DENSE: cost_model.allreduce_bytes(numel, world, 4),
+    }
+    return min(options, key=options.get)
+
+
+@dataclass
+class QuantCtx:
+    kind: str  # cost_model.DENSE / "ar" (fp16 values) / "ag" (packed codes)
+    key: str
+    shape: torch.Size
+    numel: int
+    bits: int
+    handle: Any = None
+    seg: int = 0
+
+
+class QuantCodec:
+    """Quantizer + error-feedback memory + transports for float32 gradients."""
+
+    def __init__(self, *, error_feedback: bool = False, seed: int = 0, transport: str = "auto") -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+        self.memory = ErrorFeedback(error_feedback)
+        self.seed = int(seed)
+        self.transport = transport
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def encode(self, key: str, tensor: torch.Tensor, bits: int, step: int,
+               comm: Collectives) -> tuple[torch.Tensor, QuantCtx, int]:
+        """(payload for the host's reduction, context for `decode`, bytes this rank sends)."""
+        numel = tensor.numel()
+        s = levels_for_bits(bits)
+        x = tensor.detach().reshape(-1)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        residual = self.memory.residual(key, x)
+        if residual is not None:
+            sq = kernels.ef_accumulate(x, residual)  # residual = x + residual: quantize that, in place
+            x = residual
+        else:
+            sq = kernels.sumsq(x)
+        scale = quantize.absmax(x) or 1.0  # an all-zero tensor quantizes to zeros at any scale
+        seed = shared_seed(self.seed, step, f"{key}:{comm.rank()}")  # independent rounding per rank
+        stats = torch.tensor([1.0, sq], dtype=torch.float32)
+        kind = self.transport if self.transport != "auto" else choose_quant_transport(numel, bits, comm.size())
+        ctx = QuantCtx(kind=kind, key=key, shape=tensor.shape, numel=numel, bits=bits)
+        if kind == cost_model.DENSE:
+            payload = torch.cat([x, stats])
+            if residual is not None:
+                residual.zero_()
+            return payload, ctx, payload.numel() * 4
+        if kind == cost_model.ALLREDUCE:  # dequantized fp16 values sum across ranks
+            vals = self._buf(key, "vals", numel, torch.float32)
+            lev = self._buf(key, "lev", numel, torch.int32)
+            quantize.quantize_levels(x, scale, s, seed, lev, residual_out=residual)
+            quantize.dequantize_levels(lev, scale, s, vals)
+            stats[1] = min(sq / numel, _FP16_MEAN_SQ_MAX)  # a mean square: scaled back in decode
+            payload = torch.cat([vals.half(), stats.half()])
+            ctx.kind = "ar"
+            return payload, ctx, payload.numel() * 2
+        seg = 4 + quantize.packed_nbytes(numel, bits)
+        packed = self._buf(key, "packed", seg, torch.uint8)
+        packed[:4] = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
+        quantize.quantize_pack(x, scale, s, bits, seed, packed[4:], residual_out=residual)
+        ctx.kind, ctx.seg = "ag", seg
+        ctx.handle = comm.allgather_async(packed, f"crossover.qallgather.{key}")
+        return stats, ctx, seg + stats.numel() * 4
+
+    def decode(self, reduced: torch.Tensor, ctx: QuantCtx,
+               comm: Collectives) -> tuple[torch.Tensor, tuple[float, float]]:
+        """(the averaged gradient in the tensor's shape, the reduced (1, ||x||^2) as plain numbers)."""
+        world = comm.size()
+        stats = reduced[-QUANT_STATS_LEN:].float()
+        one = float(stats[0])  # 1 for Average, world size for Sum
+        sq = float(stats[1]) * (ctx.numel if ctx.kind == "ar" else 1)
+        if ctx.kind == cost_model.DENSE:
+            return reduced[:ctx.numel].view(ctx.shape), (one, sq)
+        if ctx.kind == "ar":
+            return reduced[:ctx.numel].float().view(ctx.shape), (one, sq)
+        gathered = comm.wait(ctx.handle)
+        out = self._buf(ctx.key, "out", ctx.numel, torch.float32)
+        s = levels_for_bits(ctx.bits)
+        for r in range(gathered.numel() // ctx.seg):  # one decode per rank, each with its own scale
+            seg = gathered[r * ctx.seg:(r + 1) * ctx.seg]
+            scale = float(seg[:4].clone().view(torch.float32)[0])  # clone: the slice may be unaligned
+            quantize.unpack_dequantize(seg[4:], ctx.numel, scale, s, ctx.bits, out,
+                                       accumulate=r > 0, weight=one / world)
+        return out.view(ctx.shape), (one, sq)
+
+    def _buf(self, key: str, what: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get((key, what))
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(n, dtype=dtype)
+            self._buffers[(key, what)] = buf
+        return buf[:n]

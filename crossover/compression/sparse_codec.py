@@ -1,0 +1,108 @@
+"""Sparsification with error feedback, multi-level probes and a transport per tensor: one codec for
+every host (horovod.torch's compression objects, the PyTorch DDP hook).
+
+`SparseCodec.encode(key, tensor, rec, step_time, comm)` compresses one gradient for the step
+described by `rec` (a `crossover.adaptive.driver.StepRecord`: the CF to send and the CFs to probe)
+and returns the payload the host reduces; `decode` turns the reduced payload back into the averaged
+gradient and the reduced statistics vector, which the host hands to the step driver.
+
+Parts (GRACE's split): a selector (`selectors.py`, rank-specific top-k class or shared-index
+random-k), an error-feedback memory (`memory.py`), transports (`transport.py`) behind the
+`Collectives` interface, the cost model choosing the transport.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from crossover.adaptive.driver import SparseStatsLayout, StepRecord, shared_seed
+
+from . import cost_model, kernels, transport
+from .collectives import Collectives
+from .memory import ErrorFeedback
+from .selectors import Selector, apply_mask, k_for, make_selector
+
+__all__ = ["SparseCodec"]
+
+
+class SparseCodec:
+    """Selector + error-feedback memory + transports for float32 gradients."""
+
+    def __init__(self, compressor: str, *, error_feedback: bool = True, seed: int = 0,
+                 grad_norms: bool = False) -> None:
+        self.selector: Selector = make_selector(compressor)
+        self.compressor = compressor
+        self.memory = ErrorFeedback(error_feedback)
+        self.seed = int(seed)
+        self.grad_norms = grad_norms  # also measure ||g|| of the raw gradient (one more read pass)
+        self._outputs: dict[str, torch.Tensor] = {}
+        self._packed: dict[str, torch.Tensor] = {}
+
+    def encode(self, key: str, tensor: torch.Tensor, rec: StepRecord, step_time: float,
+               comm: Collectives) -> tuple[torch.Tensor, transport.SparseCtx, int]:
+        """(payload for the host's reduction, context for `decode`, bytes this rank sends)."""
+        numel = tensor.numel()
+        grad = tensor.detach().reshape(-1)
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        residual = self.memory.residual(key, grad)
+        grad_sq = kernels.sumsq(grad) if (self.grad_norms and residual is not None) else None
+        levels = sorted({cf for cf in (*rec.probes, rec.sent_cf) if cf > 1})
+        seed = shared_seed(self.seed, rec.step, key)
+        sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
+        sq: dict[float, float] = {}  # cf -> ||C_cf(acc)||^2; higher CFs compress the first-level selection
+        masks: dict[float, torch.Tensor] = {}
+        for cf in levels:
+            if cf == levels[0]:
+                sq[cf] = sel.sumsq_sel
+            else:
+                masks[cf] = self.selector.subselect(sel, numel, cf, seed ^ int(cf))
+                sq[cf] = kernels.sumsq(sel.val[masks[cf]].contiguous())
+        acc_sq = sel.sumsq_acc if sel is not None else kernels.sumsq(grad)
+        layout = SparseStatsLayout(len(rec.probes))
+        stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
+                                          acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes]),
+                             dtype=torch.float32, device=grad.device)
+        ctx = transport.SparseCtx(kind=transport.DENSE, key=key, shape=tensor.shape, numel=numel,
+                                  nstats=layout.length)
+        send_cf = rec.sent_cf
+        k = k_for(numel, send_cf) if send_cf > 1 else numel
+        kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices)
+        if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
+            sel = apply_mask(sel, masks[send_cf], residual)
+        if kind == cost_model.DENSE:
+            if sel is not None and residual is not None:  # undo the selection: send acc whole, residual -> 0
+                kernels.scatter_add(residual, sel.idx, sel.val)
+                payload = transport.send_dense(residual, stats)
+                residual.zero_()
+            else:
+                payload = transport.send_dense(grad, stats)
+            return payload, ctx, payload.numel() * 4
+        if kind == cost_model.ALLREDUCE:
+            ctx.kind, ctx.idx, ctx.k = transport.SHARED, sel.idx, sel.idx.numel()
+            payload = transport.send_shared(sel, stats)
+            return payload, ctx, payload.numel() * 4
+        packed = self._packed_buf(key, sel.idx.numel(), grad.device)
+        payload, ctx.handle = transport.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed)
+        ctx.kind = transport.GATHER
+        return payload, ctx, packed.numel() * 4 + stats.numel() * 4
+
+    def decode(self, reduced: torch.Tensor, ctx: transport.SparseCtx,
+               comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the averaged gradient in the tensor's shape, the reduced statistics vector)."""
+        stats = transport.split_stats(reduced, ctx.nstats)
+        out = None
+        if ctx.kind != transport.DENSE:
+            out = self._outputs.get(ctx.key)
+            if out is None or out.numel() != ctx.numel or out.device != reduced.device:
+                out = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
+                self._outputs[ctx.key] = out
+        flat = transport.receive(reduced, ctx, comm, out)
+        return flat.view(ctx.shape), stats
+
+    def _packed_buf(self, key: str, count: int, device: torch.device) -> torch.Tensor:
+        buf = self._packed.get(key)
+        if buf is None or buf.shape[0] < count or buf.device != device:
+            buf = torch.empty((max(count, 1), 2), dtype=torch.int32, device=device)
+            self._packed[key] = buf
+        return buf[:count]

@@ -1,0 +1,145 @@
+"""Every use of Horovod's private internals, in one place, behind a version check.
+
+Horovod's compression hook passes a bare tensor: no parameter name, no step, no optimizer. The glue
+recovers them from Horovod's calling frames, and the crossover scheduler and the Keras guard patch
+Horovod's functions. All of that depends on Horovod's source, so it lives here and is checked
+against the versions it was written for (`KNOWN_VERSIONS`). On another version every lookup
+returns "unknown" (compression keys tensors by their position in the step, the optimizer's process
+set and Adasum cannot be seen) and the patches refuse, after one clear warning.
+
+What is touched (Horovod 0.28.1):
+* horovod.torch: the frames of `_DistributedOptimizer._allreduce_grad_async(self, p)` /
+  `_grouped_allreduce_grad_async` (locals `p`, `self`; `self._parameter_names`, `self.process_set`),
+  and `_DistributedAdasumOptimizer._allreduce_grad_async` (Adasum compresses parameter deltas).
+* horovod.tensorflow: the frames of `hvd.allreduce` / `grouped_allreduce` (locals `compression`, `op`)
+  and of the `allreduce_fn` cond branch, plain or autograph-converted (`tf__` prefix).
+* horovod.torch.mpi_ops `synchronize`/`poll`/`_handle_map` and `_DistributedOptimizer.__init__` /
+  `.synchronize` (crossover scheduler: horovod_ext/scheduling.py), horovod.tensorflow.keras
+  `DistributedOptimizer` (Keras 3 guard: horovod_ext/keras_guard.py): those modules call
+  `check_version(feature)` before they patch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+__all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "tf_hook_context",
+           "ADASUM_ERROR"]
+
+log = logging.getLogger(__name__)
+
+KNOWN_VERSIONS = ("0.28.1",)
+ADASUM_ERROR = ("crossover compression does not support op=hvd.Adasum (Adasum compresses parameter deltas, "
+                "not gradients): use op=hvd.Average or hvd.Sum, or compression=hvd.Compression.none with Adasum")
+_warned: set[str] = set()
+
+
+def horovod_version() -> str | None:
+    try:
+        import horovod
+    except ImportError:
+        return None
+    return getattr(horovod, "__version__", None)
+
+
+def version_supported() -> bool:
+    """Whether the installed Horovod is one whose internals this module was written against."""
+    return horovod_version() in KNOWN_VERSIONS
+
+
+def check_version(feature: str) -> bool:
+    """True if `feature` may use Horovod's internals here; otherwise warn once, naming what is off."""
+    if version_supported():
+        return True
+    if feature not in _warned:
+        _warned.add(feature)
+        log.warning("crossover: %s is turned off: it relies on internals of Horovod %s, and this is Horovod %s. "
+                    "Install Horovod %s (make setup) to use it.", feature, " / ".join(KNOWN_VERSIONS),
+                    horovod_version(), KNOWN_VERSIONS[-1])
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# horovod.torch: who is calling compress()
+# ---------------------------------------------------------------------------------------------
+def _is_adasum_frame(frame: Any) -> bool:
+    try:
+        from horovod.torch.optimizer import _DistributedAdasumOptimizer
+    except ImportError:  # pragma: no cover - Horovod without torch
+        return False
+    return frame.f_code is _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+
+
+def torch_hook_caller(tensor: Any, depth: int = 2) -> tuple[str | None, Any]:
+    """(Horovod's parameter name, the calling DistributedOptimizer) for a gradient handed to compress.
+
+    `depth` counts frames above this function up to Horovod's (2: called from a compression
+    object's `compress`). (None, None) when called from elsewhere (a direct `hvd.allreduce(...,
+    compression=...)`) or on an unknown Horovod version. Raises ValueError under Adasum.
+    """
+    if not check_version("parameter names for compression state (tensors are keyed by position)"):
+        return None, None
+    import torch
+
+    frame = sys._getframe(depth)
+    param = None
+    for _ in range(4):
+        if frame is None:
+            break
+        if _is_adasum_frame(frame):
+            raise ValueError(ADASUM_ERROR)
+        loc = frame.f_locals
+        p = loc.get("p")
+        if param is None and isinstance(p, torch.Tensor) and (p.grad is tensor or loc.get("tensor") is tensor):
+            param = p
+        opt = loc.get("self")
+        if param is not None and hasattr(opt, "_parameter_names"):
+            return opt._parameter_names.get(param), opt
+        frame = frame.f_back
+    return None, None
+
+
+def torch_process_set(opt: Any) -> Any:
+    """The process set the optimizer reduces over (None: the global set, or not known)."""
+    ps = getattr(opt, "process_set", None)
+    if ps is None:
+        return None
+    try:
+        from horovod.torch.mpi_ops import global_process_set
+    except ImportError:  # pragma: no cover
+        return None
+    return None if ps is global_process_set or getattr(ps, "process_set_id", 0) == 0 else ps
+
+
+# ---------------------------------------------------------------------------------------------
+# horovod.tensorflow: where compress() is traced
+# ---------------------------------------------------------------------------------------------
+def tf_hook_context(compression: Any, depth: int = 2) -> tuple[bool, Any]:
+    """(called inside Horovod's allreduce cond branch, the reduction op) for a TF compress call.
+
+    Reads the calling frames: `hvd.allreduce` / `hvd.grouped_allreduce` hold `op` next to
+    `compression`, and run inside the cond's `allreduce_fn`. Under autograph (tf.function converts
+    Horovod's code) the frames live in generated files and nested helpers, hence the search.
+    (False, None) on an unknown Horovod version.
+    """
+    if not check_version("the TensorFlow compression's view of Horovod's op and cond"):
+        return False, None
+    frame = sys._getframe(depth)
+    op, found_op, in_cond = None, False, False
+    for _ in range(48):
+        if frame is None:
+            break
+        name = frame.f_code.co_name
+        if name in ("allreduce_fn", "tf__allreduce_fn"):
+            in_cond = True
+            break
+        if name in ("allreduce_grads", "tf__allreduce_grads"):
+            break
+        if not found_op:
+            loc = frame.f_locals
+            if loc.get("compression") is compression and "op" in loc:
+                op, found_op = loc["op"], True
+        frame = frame.f_back
+    return in_cond, op
