@@ -13,79 +13,15 @@ Nothing here imports torch. See docs/tensorflow.md.
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
-from typing import Any
 
-from horovod_ext.tf_compression import AdaptiveCompression, FP16Compression, StaticCompression
+from horovod_ext.keras_guard import KERAS3_MESSAGE, KerasVersionError, check_keras_optimizer, install_keras_guard
+from horovod_ext.tf_compression import AdaptiveCompression, FP16Compression, GravacCompression, StaticCompression
 from horovod_ext.tf_quantization import DqsgdCompression, QSGDCompression
 
-__all__ = ["AdaptiveCompression", "DqsgdCompression", "FP16Compression", "KerasVersionError", "QSGDCompression",
-           "StaticCompression", "check_keras_optimizer", "install_keras_guard"]
+__all__ = ["AdaptiveCompression", "DqsgdCompression", "FP16Compression", "GravacCompression", "KERAS3_MESSAGE",
+           "KerasVersionError", "QSGDCompression", "StaticCompression", "check_keras_optimizer", "install_keras_guard"]
 
 log = logging.getLogger(__name__)
-
-KERAS3_MESSAGE = (
-    "horovod.tensorflow.keras.DistributedOptimizer got a Keras 3 optimizer ({cls}). Horovod 0.28.1 cannot "
-    "hook Keras 3 optimizers: training would run WITHOUT synchronizing gradients across ranks. Use Keras 2 "
-    "(tf-keras): `pip install tf-keras` (the version matching TensorFlow) and set TF_USE_LEGACY_KERAS=1 in "
-    "the environment before TensorFlow is imported (then tf.keras is tf-keras), and build the model and "
-    "optimizer with tf.keras. Or keep Keras 3 and use horovod.tensorflow.DistributedGradientTape in a custom "
-    "training step."
-)
-
-
-class KerasVersionError(RuntimeError):
-    """A Keras 3 optimizer was given to Horovod's Keras wrapper, which would not synchronize it."""
-
-
-def is_keras3_optimizer(optimizer: Any) -> bool:
-    """True when `optimizer` is a Keras 3 optimizer (module `keras...` with keras >= 3), not tf-keras."""
-    for cls in type(optimizer).__mro__:
-        mod = getattr(cls, "__module__", "") or ""
-        if mod == "keras" or mod.startswith("keras."):
-            keras = sys.modules.get("keras")
-            version = getattr(keras, "__version__", "0")
-            try:
-                return int(str(version).split(".")[0]) >= 3
-            except ValueError:
-                return False
-    return False
-
-
-def check_keras_optimizer(optimizer: Any) -> None:
-    """Raise KerasVersionError when Horovod's Keras DistributedOptimizer would not synchronize `optimizer`."""
-    if is_keras3_optimizer(optimizer):
-        raise KerasVersionError(KERAS3_MESSAGE.format(cls=f"{type(optimizer).__module__}.{type(optimizer).__name__}"))
-
-
-def install_keras_guard() -> bool:
-    """Make horovod.tensorflow.keras.DistributedOptimizer (and horovod.keras's) refuse Keras 3 optimizers.
-
-    Idempotent; returns False when horovod.tensorflow.keras cannot be imported here.
-    """
-    try:
-        import horovod.tensorflow.keras as hvd_keras
-    except Exception as exc:  # Horovod built without TensorFlow, or Keras missing
-        log.debug("horovod.tensorflow.keras not importable (%s): no Keras guard installed", exc)
-        return False
-    modules = [hvd_keras]
-    if "horovod.keras" in sys.modules:
-        modules.append(sys.modules["horovod.keras"])
-    for mod in modules:
-        original = getattr(mod, "DistributedOptimizer", None)
-        if original is None or getattr(original, "_crossover_guard", False):
-            continue
-
-        @functools.wraps(original)
-        def guarded(optimizer: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            check_keras_optimizer(optimizer)
-            return _original(optimizer, *args, **kwargs)
-
-        guarded._crossover_guard = True  # type: ignore[attr-defined]
-        mod.DistributedOptimizer = guarded
-    return True
-
 
 install_keras_guard()

@@ -3,8 +3,9 @@
 Use:  tape = hvd.DistributedGradientTape(tape, compression=AdaptiveCompression(
           policy="dqsgd", total_steps=T, lr=0.1))
 
-Same plumbing as tf_compression (one "begin step" py_function per traced step feeds the pure
-DqsgdPolicy from crossover/adaptive/dqsgd.py and returns the step's bits). Per gradient, in graph:
+Same plumbing as tf_compression (one "begin step" py_function per traced step, horovod_ext/_tf_host.py,
+feeds the framework-free `QuantStepDriver` of crossover/adaptive/driver.py and returns the step's bits).
+Per gradient, in graph:
 error feedback (optional), max-norm scale, stochastic rounding to `2**(bits-1) - 1` levels with a
 stateless seed from (seed, tensor, step, rank), then either
 
@@ -27,20 +28,14 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from crossover.adaptive.dqsgd import (
-    MAX_BITS,
-    MIN_BITS,
-    DqsgdPolicy,
-)
+from crossover.adaptive.dqsgd import MAX_BITS, MIN_BITS
+from crossover.adaptive.driver import QuantStepDriver, dqsgd_settings, lr_at, shared_seed
 from crossover.compression import cost_model
-from horovod_ext._policies import dqsgd_observe
-
-from .tf_compression import _check_op, _horovod_context, _mix, _safe_name, _TFBase
+from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name
 
 __all__ = ["DqsgdCompression", "QSGDCompression", "pack_codes", "unpack_codes"]
 
 log = logging.getLogger(__name__)
-_STATE_VERSION = 1
 TRANSPORTS = ("auto", "allgather", "allreduce")
 LR = Union[float, Callable[[int], float], Any]
 # accumulator slots: tensors, global ||x||^2, elements quantized, bytes sent, bytes dense
@@ -92,30 +87,30 @@ class _QCtx:
     sent_bytes: tf.Tensor
 
 
-class _QuantizedBase(_TFBase):
+class _QuantizedBase(TFHookBase):
     """Quantization machinery shared by the adaptive (DQ-SGD) and fixed-bits (QSGD) TF objects."""
 
     _plan_len = 2  # [bits, step]
 
-    def __init__(self, *, error_feedback: bool, min_compress_numel: int, seed: int, transport: str,
-                 b_max: int) -> None:
+    def __init__(self, driver: QuantStepDriver, *, error_feedback: bool, min_compress_numel: int, seed: int,
+                 transport: str, b_max: int) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         super().__init__(min_compress_numel=min_compress_numel, error_feedback=error_feedback, seed=seed)
+        self.driver = driver
         self.transport = transport
         self._b_max = b_max
-        self._bits = self._plan_bits()
-        self._lr_now: float | None = None
+
+    @property
+    def _bits(self) -> int:
+        return self.driver.bits
+
+    @property
+    def _step(self) -> int:
+        return self.driver.step
 
     def _acc_len(self) -> int:
         return _QACC
-
-    # subclass hooks
-    def _plan_bits(self) -> int:
-        raise NotImplementedError
-
-    def _observe(self, sq_norm: float, numel: int, lr: float | None) -> None:
-        pass
 
     def _lr_at(self, step: int) -> float | None:
         return None
@@ -125,21 +120,21 @@ class _QuantizedBase(_TFBase):
         """Once per step: observe the last step's global norm, then plan this step's bits."""
         with self._lock:
             acc = self._read_and_clear()
-            self._bytes_sent += int(acc[3])
-            self._bytes_dense += int(acc[4])
-            if self._step > 0 and acc[0] > 0:
-                self._observe(float(acc[1]), int(acc[2]), self._lr_now)
-            self._step += 1
-            self._bits = self._plan_bits()
-            self._lr_now = self._lr_at(self._step)
-            return np.array([float(self._bits), float(self._step)], np.float64)
+            drv = self.driver
+            drv.count(int(acc[3]), int(acc[4]))
+            if acc[0] > 0:  # the in-graph sums are already over ranks
+                drv.add_tensor(int(acc[2]))
+                drv.add_sq_sum(float(acc[1]))
+            bits = drv.begin_step(hvd.size())
+            drv.lr = self._lr_at(drv.step)
+            return np.array([float(bits), float(drv.step)], np.float64)
 
     # ------------------------------------------------------------------ Horovod interface (traced)
     @tf.autograph.experimental.do_not_convert
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Called by Horovod per gradient while tracing; returns the tensor to allreduce and a context."""
-        in_cond, op = _horovod_context(self)
-        _check_op(op)
+        in_cond, op = hook_context(self)
+        check_op(op)
         if isinstance(tensor, tf.IndexedSlices):
             return tensor, None
         plan, key = self._plan(in_cond)
@@ -163,7 +158,7 @@ class _QuantizedBase(_TFBase):
         mx = tf.reduce_max(absx)
         scale = tf.where(mx > 0, mx, 1.0)  # an all-zero tensor quantizes to zeros at any scale
         # independent rounding per rank: the seed mixes (seed, tensor) with (step, rank)
-        seed = tf.stack([tf.constant(_mix(self.seed, key), tf.int64), step * 65536 + rank])
+        seed = tf.stack([tf.constant(shared_seed(self.seed, 0, key), tf.int64), step * 65536 + rank])
         u = tf.random.stateless_uniform([numel], seed=seed, dtype=tf.float32)
         mag = tf.minimum(tf.floor(absx * (s / scale) + u), s)
         levels = tf.cast(tf.where(x < 0, -mag, mag), tf.int32)
@@ -175,7 +170,7 @@ class _QuantizedBase(_TFBase):
             packed = pack_codes(levels + s_int, bits)
             seg = tf.concat([tf.bitcast(tf.reshape(scale, [1]), tf.uint8)[0], packed], 0)
             with tf.control_dependencies(deps):
-                gathered = hvd.allgather(seg, name=f"crossover.qallgather.{self._uid}.{_safe_name(key)}")
+                gathered = hvd.allgather(seg, name=f"crossover.qallgather.{self._uid}.{safe_name(key)}")
             payload = tf.stack([tf.constant(1.0), sq])
             sent = tf.cast(tf.size(seg) + 8, tf.float64)
         else:  # dequantized values sum in fp16; the norm travels as a mean square below fp16's max
@@ -221,10 +216,7 @@ class _QuantizedBase(_TFBase):
 
     def stats(self) -> dict[str, Any]:
         """Cumulative telemetry of this rank, with the bits of the step in flight."""
-        with self._lock:
-            sent, dense = self._bytes_now()
-            return {"step": self._step, "bits": self._bits, "compression_factor": 32.0 / self._bits, "gain": None,
-                    "bytes_sent": sent, "bytes_dense": dense}
+        return self._stats_locked()
 
 
 class QSGDCompression(_QuantizedBase):
@@ -235,11 +227,8 @@ class QSGDCompression(_QuantizedBase):
         if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
             raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
         self.fixed_bits = bits
-        super().__init__(error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
-                         transport=transport, b_max=bits)
-
-    def _plan_bits(self) -> int:
-        return self.fixed_bits
+        super().__init__(QuantStepDriver(bits=bits), error_feedback=error_feedback,
+                         min_compress_numel=min_compress_numel, seed=seed, transport=transport, b_max=bits)
 
 
 class DqsgdCompression(_QuantizedBase):
@@ -254,28 +243,23 @@ class DqsgdCompression(_QuantizedBase):
                  target_bits: int = 6, b_min: int = 2, b_max: int = 8, decay: float = 0.999,
                  error_feedback: bool = False, min_compress_numel: int = 16384, seed: int = 0,
                  transport: str = "auto") -> None:
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"total_steps must be an int >= 1 (the training horizon DQ-SGD plans bits for), "
-                             f"got {total_steps!r}")
         if lr is None:
             raise ValueError("DQ-SGD needs the learning rate: with horovod.tensorflow pass lr= (a number, a "
                              "callable step -> lr, or the Keras optimizer to read it from)")
-        if not callable(lr) and not hasattr(lr, "learning_rate") and (
-                isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+        optimizer_lr = hasattr(lr, "learning_rate")
+        if not callable(lr) and not optimizer_lr and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                                                      or not lr > 0):
             raise ValueError(f"lr must be a number > 0, a callable step -> lr, or an optimizer with "
                              f"`learning_rate`, got {lr!r}")
-        self._policy_kw = {"total_steps": total_steps, "b_min": b_min, "b_max": b_max, "decay": decay}
-        # validates b_min, b_max, decay, error_budget now (construction), not on the first step
-        self.policy: DqsgdPolicy | None = DqsgdPolicy(error_budget=1.0 if error_budget is None else error_budget,
-                                                      **self._policy_kw)
-        if isinstance(target_bits, bool) or not isinstance(target_bits, int) or not b_min <= target_bits <= b_max:
-            raise ValueError(f"target_bits must be an int in [b_min, b_max] = [{b_min}, {b_max}], got {target_bits!r}")
+        settings = dqsgd_settings(total_steps=total_steps, lr=None if optimizer_lr else lr, error_budget=error_budget,
+                                  target_bits=target_bits, b_min=b_min, b_max=b_max, decay=decay)
         self.total_steps, self.lr, self.target_bits = total_steps, lr, target_bits
-        self._policy_kw["initial_bits"] = target_bits
-        if error_budget is None:
-            self.policy = None  # calibrated on the first observation
-        super().__init__(error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
-                         transport=transport, b_max=b_max)
+        super().__init__(QuantStepDriver(bits=target_bits, dqsgd=settings), error_feedback=error_feedback,
+                         min_compress_numel=min_compress_numel, seed=seed, transport=transport, b_max=b_max)
+
+    @property
+    def policy(self) -> Any:
+        return self.driver.policy
 
     def _lr_at(self, step: int) -> float | None:
         lr = self.lr
@@ -284,40 +268,20 @@ class DqsgdCompression(_QuantizedBase):
             if callable(value):
                 value = value(lr.iterations)
             return float(np.asarray(value))
-        if callable(lr):
-            return float(lr(step))
-        return float(lr)
-
-    def _plan_bits(self) -> int:
-        return self.target_bits if self.policy is None else self.policy.plan().bits
-
-    def _observe(self, sq_norm: float, numel: int, lr: float | None) -> None:
-        self.policy = dqsgd_observe(self.policy, sq_norm=sq_norm, world=hvd.size(), numel=numel, lr=lr,
-                                    step=self._step - 1, bits=self._bits, target_bits=self.target_bits,
-                                    total_steps=self.total_steps, policy_kw=self._policy_kw)
-
-    def stats(self) -> dict[str, Any]:
-        out = super().stats()
-        out["policy"] = None if self.policy is None else self.policy.summary()
-        return out
+        return lr_at(lr, step, lambda: None)
 
     def state_dict(self) -> dict[str, Any]:
         """Policy (with its calibrated budget), step counter, residuals (numpy arrays)."""
         with self._lock:
-            sent, dense = self._bytes_now()
-            return {"version": _STATE_VERSION, "step": self._step, "bits": self._bits,
-                    "policy": None if self.policy is None else self.policy.state_dict(),
-                    "bytes_sent": sent, "bytes_dense": dense, "residuals": self._residuals_state()}
+            state = self.driver.state_dict()
+            state["bytes_sent"], state["bytes_dense"] = self._bytes_now()
+            state["residuals"] = self._residuals_state()
+            return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()` between steps."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported DqsgdCompression state version {state.get('version')!r}")
         with self._lock:
             if self._acc_var is not None:
                 self._read_and_clear()
-            self.policy = None if state["policy"] is None else DqsgdPolicy.from_state_dict(state["policy"])
-            self._step, self._bits = int(state["step"]), int(state["bits"])
-            self._bytes_sent, self._bytes_dense = int(state["bytes_sent"]), int(state["bytes_dense"])
+            self.driver.load_state_dict(state)
             self._load_residuals(state.get("residuals", {}))
-

@@ -24,9 +24,10 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from crossover.adaptive.driver import DQSGD_PARAMS, CfPolicy, SparseStepDriver, gravac_or_dense
+from crossover.adaptive.driver import CfPolicy, SparseStepDriver, gravac_or_dense
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.sparse_codec import SparseCodec
+from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._torch_host import TorchHookBase
 from horovod_ext.torch_quantization import DqsgdCompression
 
@@ -147,41 +148,17 @@ class StaticCompression(_SparseCompression):
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
 
 
-class AdaptiveCompression:
+class AdaptiveCompression(AdaptiveFacade):
     """Adaptive compression for horovod.torch: the policy picks how hard to compress while training.
 
     `AdaptiveCompression()` (policy="gravac", the default): a `GravacCompression` with the given
     settings (compressor name first, then cf_min, cf_max, epsilon, ...). `AdaptiveCompression(
-    policy="dqsgd", total_steps=T)`: a `DqsgdCompression` (quantization bits per step). Horovod calls
-    the chosen object's `compress`/`decompress` directly; every other attribute (stats(),
-    state_dict(), sync(), reset(), policy, ...) is the chosen object's.
+    policy="dqsgd", total_steps=T)`: a `DqsgdCompression` (quantization bits per step).
+    See horovod_ext/_facade.py.
     """
 
-    def __init__(self, *args: Any, policy: str = "gravac", **settings: Any) -> None:
-        if policy == "gravac":
-            impl: Any = GravacCompression(*args, **settings)
-        elif policy == "dqsgd":
-            if args:
-                raise ValueError("policy='dqsgd' quantizes: it takes no compressor name")
-            try:
-                impl = DqsgdCompression(**settings)
-            except TypeError as exc:
-                raise ValueError(f"policy='dqsgd': {exc} (DQ-SGD takes {DQSGD_PARAMS})") from None
-        else:
-            raise ValueError(f"policy must be 'gravac' or 'dqsgd', got {policy!r}")
-        object.__setattr__(self, "_impl", impl)
-        # Horovod calls these: bound to the implementation, so its frames are where Horovod expects them
-        object.__setattr__(self, "compress", impl.compress)
-        object.__setattr__(self, "decompress", impl.decompress)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_impl"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._impl, name, value)
-
-    def __repr__(self) -> str:
-        return f"AdaptiveCompression({type(self._impl).__name__})"
+    _gravac = GravacCompression
+    _dqsgd = DqsgdCompression
 
 
 class FP16Compression:

@@ -272,14 +272,14 @@ class SparseStepDriver:
         if sums is not None:
             self.current.add(sums, SparseStatsLayout(len(self.current.probes)))
 
-    def add_sums(self, sums: Sequence[float], tensors: int) -> None:
-        """The whole step's statistics at once, already summed over tensors and ranks (TensorFlow:
-        accumulated in graph); `sums[STEP_TIME]` is the sum over tensors of the mean step time."""
+    def add_sums(self, sums: Sequence[float], tensors: int, layout: SparseStatsLayout) -> None:
+        """The whole step's statistics at once, in `layout`, already summed over tensors and ranks
+        (TensorFlow accumulates them in graph); `sums[STEP_TIME]` is the sum over tensors of the mean
+        step time. A layout with more probes than the plan (TF always measures two) is fine."""
         rec = self.current
         if rec is None or tensors <= 0:
             return
-        lay = SparseStatsLayout(len(rec.probes))
-        rec.add([1.0, sums[lay.STEP_TIME] / tensors, *sums[2:lay.length]], lay)
+        rec.add([1.0, sums[layout.STEP_TIME] / tensors, *sums[2:layout.length]], layout)
         rec.tensors = tensors
 
     def count(self, sent: int, dense: int) -> None:
@@ -409,8 +409,12 @@ class QuantStepDriver:
     def add_reduced_sq(self, reduced_one: float, reduced_sq: float, world: int) -> None:
         """One tensor's reduced `[1, ||x||^2]` (as the reduction left it)."""
         if math.isfinite(reduced_one) and reduced_one > 0:
-            self._sq += reduced_sq * world / reduced_one
-            self._have_sq = True
+            self.add_sq_sum(reduced_sq * world / reduced_one)
+
+    def add_sq_sum(self, sq_sum: float) -> None:
+        """||x||^2 summed over ranks (and tensors), for the step in flight."""
+        self._sq += sq_sum
+        self._have_sq = True
 
     def count(self, sent: int, dense: int) -> None:
         self.bytes_sent += sent

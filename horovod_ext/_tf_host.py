@@ -1,0 +1,184 @@
+"""What every horovod.tensorflow compression object of crossover shares: Horovod's side of the hook.
+
+Horovod calls `compress(tensor)` and `decompress(tensor, ctx)` while *tracing* a `tf.function`
+(once, not per step), around an allreduce inside a `tf.cond`. So nothing per step happens in
+Python at trace time: per-step decisions come from a `tf.py_function` ("begin step") placed once
+per traced step, outside Horovod's conds, whose output (the plan) every compress of that step
+reads. It feeds the step driver (crossover/adaptive/driver.py) and returns its plan. State lives in
+`tf.Variable`s: per-tensor error-feedback residuals, and an accumulator of the step's reduced
+statistics that decompress adds to and the next "begin step" reads and clears.
+
+Where compress is traced from (Horovod's op, its cond) is read in horovod_ext/_internals.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from crossover.adaptive.driver import check_min_numel
+from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
+
+__all__ = ["TFHookBase", "check_op", "safe_name", "hook_context"]
+
+_INSTANCES = itertools.count()  # objects are created in the same order on every rank: a shared id
+
+
+def hook_context(compression: Any) -> tuple[bool, Any]:
+    """(traced inside Horovod's allreduce cond, Horovod's op) for `compression.compress` (its caller)."""
+    return tf_hook_context(getattr(compression, "_hook_owner", compression), depth=3)
+
+
+def check_op(op: Any) -> None:
+    """Refuse Adasum (it combines parameter deltas, not gradients)."""
+    if op is not None and op == hvd.Adasum:
+        raise ValueError(ADASUM_ERROR)
+
+
+def step_graph(in_cond: bool) -> Any:
+    """The graph that holds one step's "begin step" op: the one Horovod's cond is built in."""
+    g = tf.compat.v1.get_default_graph()
+    if in_cond and type(g).__name__ == "CondBranchFuncGraph" and getattr(g, "outer_graph", None) is not None:
+        return g.outer_graph
+    return g
+
+
+def safe_name(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in key)
+
+
+class TFHookBase:
+    """Plan-per-step plumbing shared by the sparsifying and the quantizing TF compressions."""
+
+    _plan_len = 1
+
+    def __init__(self, *, min_compress_numel: int, error_feedback: bool, seed: int) -> None:
+        self.min_compress_numel = check_min_numel(min_compress_numel)
+        self.error_feedback = bool(error_feedback)
+        self.seed = int(seed)
+        self._uid = next(_INSTANCES)  # in collective names: two objects' tensors never share a name
+        self._lock = threading.RLock()
+        self._plans: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._residuals: dict[str, tf.Variable] = {}
+        self._pending_residuals: dict[str, np.ndarray] = {}
+        self._acc_var: tf.Variable | None = None
+        self._eager_plan: tf.Tensor | None = None
+        self._eager_phase = "idle"
+        self._eager_ordinal = 0
+        self.driver: Any = None  # the subclass's step driver (crossover/adaptive/driver.py)
+
+    # Horovod hashes the compression (its cached allreduce function is keyed by it): keep identity hashing.
+    __hash__ = object.__hash__
+
+    # ------------------------------------------------------------------ variables
+    def _acc(self) -> tf.Variable:
+        if self._acc_var is None:
+            with tf.init_scope():
+                self._acc_var = tf.Variable(tf.zeros([self._acc_len()], tf.float64), trainable=False,
+                                            name="crossover_step_stats")
+        return self._acc_var
+
+    def _acc_len(self) -> int:
+        """Length of the in-graph accumulator; its last two slots are bytes sent and bytes dense."""
+        raise NotImplementedError
+
+    def _residual(self, key: str, numel: int) -> tf.Variable:
+        var = self._residuals.get(key)
+        if var is None or int(var.shape[0]) != numel:
+            init = self._pending_residuals.pop(key, None)
+            if init is None or init.size != numel:
+                init = np.zeros(numel, np.float32)
+            with tf.init_scope():
+                var = tf.Variable(init, trainable=False, name="crossover_residual_" + safe_name(key))
+            self._residuals[key] = var
+        return var
+
+    def _read_and_clear(self) -> np.ndarray:
+        var = self._acc()
+        acc = var.numpy()
+        var.assign(tf.zeros_like(var))
+        return acc
+
+    # ------------------------------------------------------------------ the plan of a step
+    def _plan(self, in_cond: bool) -> tuple[tf.Tensor, str]:
+        """(this step's plan tensor, an ordinal key for the next compressed tensor of this trace)."""
+        if tf.executing_eagerly():  # direct eager hvd.allreduce calls: first compress after a decompress
+            if self._eager_phase != "compress" or self._eager_plan is None:
+                self._eager_plan = tf.constant(self._rt_begin())
+                self._eager_phase = "compress"
+                self._eager_ordinal = 0
+            key = f"#{self._eager_ordinal}"
+            self._eager_ordinal += 1
+            return self._eager_plan, key
+        graph = step_graph(in_cond)
+        entry = self._plans.get(graph)
+        if entry is None:
+            self._acc()
+            with graph.as_default():
+                plan = tf.py_function(self._rt_begin, [], tf.float64, name="crossover_begin_step")
+                plan.set_shape([self._plan_len])
+            entry = {"plan": plan, "ordinal": 0}
+            self._plans[graph] = entry
+        key = f"#{entry['ordinal']}"
+        entry["ordinal"] += 1
+        return entry["plan"], key
+
+    def _rt_begin(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _passthrough(self, tensor: Any, plan: tf.Tensor | None) -> tuple[Any, None]:
+        """Count a tensor that goes through untouched (it is Horovod's own dense path)."""
+        nbytes = tf.cast(tf.size(tensor), tf.float64) * tensor.dtype.size
+        vec = tf.concat([tf.zeros([self._acc_len() - 2], tf.float64), tf.stack([nbytes, nbytes])], 0)
+        # after this step's "begin step" (which reads and clears the accumulator); with no plan
+        # (compression off) nothing ever clears it, so it simply accumulates
+        with tf.control_dependencies([plan] if plan is not None else []):
+            upd = self._acc().assign_add(vec)
+        with tf.control_dependencies([upd]):
+            return tf.identity(tensor), None
+
+    def _mark_decompressed(self) -> None:
+        if tf.executing_eagerly():
+            self._eager_phase = "decompress"
+
+    def _bytes_now(self) -> tuple[int, int]:
+        """Cumulative bytes including the last step, whose statistics no "begin step" has read yet."""
+        acc = self._acc_var.numpy() if self._acc_var is not None else np.zeros(self._acc_len())
+        return self.driver.bytes_sent + int(acc[-2]), self.driver.bytes_dense + int(acc[-1])
+
+    def reset(self) -> None:
+        """Forget the step in flight (Horovod elastic reset); policy state stays."""
+        with self._lock:
+            if self._acc_var is not None:
+                acc = self._read_and_clear()
+                self.driver.count(int(acc[-2]), int(acc[-1]))
+            self.driver.reset()
+            self._eager_phase = "idle"
+
+    def _stats_locked(self) -> dict[str, Any]:
+        """The driver's telemetry, with the bytes of the last step that no "begin step" has read yet."""
+        with self._lock:
+            out = self.driver.stats()
+            out["bytes_sent"], out["bytes_dense"] = self._bytes_now()
+            return out
+
+    def _residuals_state(self) -> dict[str, np.ndarray]:
+        out = {k: v.numpy().copy() for k, v in self._residuals.items()}
+        out.update({k: v.copy() for k, v in self._pending_residuals.items() if k not in out})
+        return out
+
+    def _load_residuals(self, residuals: Mapping[str, Any]) -> None:
+        for key, value in residuals.items():
+            arr = np.asarray(value, np.float32).reshape(-1)
+            var = self._residuals.get(key)
+            if var is not None and int(var.shape[0]) == arr.size:
+                var.assign(arr)
+            else:
+                self._pending_residuals[key] = arr  # assigned when the tensor is traced
