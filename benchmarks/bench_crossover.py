@@ -13,7 +13,7 @@ Three ways to run the two jobs, in one invocation, printed side by side:
 
 * ``sequential``: job A alone, then job B alone (aggregate throughput = 1 / (C + M) per step);
 * ``uncoordinated``: both at once, no scheduler (the cores are time-shared by the OS);
-* ``crossover``: both at once, each started as ``python -m crossover.scheduler.launch`` with the stock
+* ``crossover``: both at once, each started as ``python -m horovod_ext.launch`` with the stock
   ``hvd.DistributedOptimizer`` and one scheduler daemon per emulated host
   (``CROSSOVER_SCHED_DIR=<tmp>/{host}``).
 
@@ -219,7 +219,7 @@ def run_jobs(cluster: Any, args: argparse.Namespace, jobs: list[str], crossover:
 
     def one(name: str) -> None:
         result = workdir / f"{name}.json"
-        cmd = [sys.executable, *(["-m", "crossover.scheduler.launch"] if crossover else []), str(Path(__file__)),
+        cmd = [sys.executable, *(["-m", "horovod_ext.launch"] if crossover else []), str(Path(__file__)),
                "--worker", "--params", str(args.params), "--batch", str(args.batch), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--result", str(result)]
         env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "BENCH_T0": repr(t0)}

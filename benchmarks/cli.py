@@ -391,7 +391,7 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
             job_env = dict(env)
             cmd = [sys.executable, "-m", "benchmarks.trainer", str(cfg)]
             if a.crossover and not a.no_scheduler:
-                cmd = [sys.executable, "-m", "crossover.scheduler.launch", "-m", "benchmarks.trainer", str(cfg)]
+                cmd = [sys.executable, "-m", "horovod_ext.launch", "-m", "benchmarks.trainer", str(cfg)]
                 job_env.update(CROSSOVER_SCHED="1", CROSSOVER_JOB=name,
                                CROSSOVER_SCHED_DIR=str(sched / ("{host}" if cluster else "localhost")),
                                CROSSOVER_TELEMETRY_DIR=str(work / "telemetry"))

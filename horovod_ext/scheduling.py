@@ -5,7 +5,7 @@ device (CrossoverScheduler, docs/scheduler.md). This module connects horovod.tor
 daemon (:mod:`crossover.scheduler`):
 
 * **Stock ``hvd.DistributedOptimizer``, no code change**: under ``crossover-run`` (or
-  ``python -m crossover.scheduler.launch script.py``) :func:`install` patches horovod.torch when it is
+  ``python -m horovod_ext.launch script.py``) :func:`install` patches horovod.torch when it is
   imported. Building a ``DistributedOptimizer`` takes the device. ``synchronize()`` (called by
   ``step()``) first submits the allreduces backward did not start, then (on CUDA after
   ``torch.cuda.synchronize()``) releases the device, waits for every allreduce handle, and takes the
@@ -47,6 +47,7 @@ from crossover.scheduler import paths
 from crossover.scheduler.client import SchedulerClient
 from crossover.scheduler.telemetry import Recorder
 from crossover.scheduler.turns import DeviceTurns, cpu_device
+from horovod_ext._internals import check_version
 
 __all__ = ["install", "enabled_by_env", "enable", "disable", "session", "crossover_turn", "communicating",
            "patch_horovod_torch", "unpatch_horovod_torch", "resolve_device"]
@@ -291,6 +292,8 @@ def _optimizer_synchronize(self: Any) -> None:
 def patch_horovod_torch() -> None:
     """Patch horovod.torch (imports it) so that the stock DistributedOptimizer takes turns. Idempotent."""
     if _orig:
+        return
+    if not check_version("crossover scheduling (jobs run uncoordinated)"):
         return
     import horovod.torch  # noqa: F401 - imports every module patched below
     import horovod.torch.mpi_ops as mpi_ops

@@ -204,8 +204,8 @@ def test_help_and_dry_run(work: Path) -> None:
     lines = r.stdout.splitlines()
     assert len(lines) == 2
     assert "CROSSOVER_JOB=job0" in lines[0] and "horovodrun -np 2 -H h1:1,h2:1" in lines[0]
-    assert lines[0].endswith("-m crossover.scheduler.launch job.py --lr 0.1")
-    assert lines[1].endswith("-m crossover.scheduler.launch job.py --epochs 5")
+    assert lines[0].endswith("-m horovod_ext.launch job.py --lr 0.1")
+    assert lines[1].endswith("-m horovod_ext.launch job.py --epochs 5")
 
 
 # --------------------------------------------------------------------------- real jobs

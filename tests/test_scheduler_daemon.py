@@ -388,11 +388,11 @@ def test_launcher_patches_horovod_torch_on_import(tmp_path: Path) -> None:
               o._DistributedOptimizer.synchronize is scheduling._optimizer_synchronize,
               sys.argv[1:], __name__)
     """))
-    r = subprocess.run([sys.executable, "-m", "crossover.scheduler.launch", str(script), "--x", "1"],
+    r = subprocess.run([sys.executable, "-m", "horovod_ext.launch", str(script), "--x", "1"],
                        env={**ENV, "CROSSOVER_SCHED": "1"}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True True ['--x', '1'] __main__"
-    r = subprocess.run([sys.executable, "-m", "crossover.scheduler.launch", str(script)],
+    r = subprocess.run([sys.executable, "-m", "horovod_ext.launch", str(script)],
                        env={**ENV, "CROSSOVER_SCHED": "0"}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("False False")
 

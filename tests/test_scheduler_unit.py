@@ -295,11 +295,11 @@ def test_plan_jobs(tmp_path) -> None:
     assert [j.name for j in jobs] == ["job0", "job1", "job2"]
     hvd = jobs[0].argv[:6]
     assert hvd[1:] == ["-np", "2", "-H", "h1:1,h2:1", "--gloo"]
-    assert jobs[0].argv[6:] == [jobs[0].argv[6], "-m", "crossover.scheduler.launch", str(a), "--lr", "0.1"]
-    assert jobs[2].argv[-5:] == ["-m", "crossover.scheduler.launch", "-m", "pkg.mod", "-x"]
+    assert jobs[0].argv[6:] == [jobs[0].argv[6], "-m", "horovod_ext.launch", str(a), "--lr", "0.1"]
+    assert jobs[2].argv[-5:] == ["-m", "horovod_ext.launch", "-m", "pkg.mod", "-x"]
     assert jobs[1].env["CROSSOVER_JOB"] == "job1" and jobs[1].env["CROSSOVER_SCHED"] == "1"
     _, plain = run.plan_jobs(["-np", "2", "--no-crossover", str(a)])
-    assert "crossover.scheduler.launch" not in plain[0].argv and plain[0].env["CROSSOVER_SCHED"] == "0"
+    assert "horovod_ext.launch" not in plain[0].argv and plain[0].env["CROSSOVER_SCHED"] == "0"
 
 
 @pytest.mark.parametrize("argv", [[], ["-np", "2"], ["-np", "2", "--bogus", "a.py"], ["-np", "2", "missing.py"],

@@ -4,7 +4,7 @@
 
 Horovod's options come once, before the first job, and apply to every job; jobs are separated by
 ``--``. Each job is launched by its own ``horovodrun`` (so each gets its own rendezvous port) as
-``python -m crossover.scheduler.launch SCRIPT ARGS`` with ``CROSSOVER_SCHED=1`` and its job name in
+``python -m horovod_ext.launch SCRIPT ARGS`` with ``CROSSOVER_SCHED=1`` and its job name in
 the environment; on every host the first worker starts the scheduler daemon. Output lines are
 prefixed with ``[jobN]``. At the end it writes a Chrome-trace timeline of all jobs and prints a
 summary (per-job step time split into compute / waiting for the device / waiting for communication,
@@ -161,7 +161,7 @@ def _job_command(tokens: list[str], index: int, python: str, crossover: bool) ->
         python, tokens = tokens[0], tokens[1:]
         if not tokens:
             raise UsageError(f"job {index}: interpreter without a script")
-    wrapper = ["-m", "crossover.scheduler.launch"] if crossover else []
+    wrapper = ["-m", "horovod_ext.launch"] if crossover else []
     if tokens[0] == "-m":
         if len(tokens) < 2 or tokens[1].startswith("-"):
             raise UsageError(f"job {index}: -m needs a module name")

@@ -1,7 +1,7 @@
 """Run a Python training script with crossover scheduling turned on.
 
-    python -m crossover.scheduler.launch train.py --lr 0.1
-    python -m crossover.scheduler.launch -m mypackage.train --lr 0.1
+    python -m horovod_ext.launch train.py --lr 0.1
+    python -m horovod_ext.launch -m mypackage.train --lr 0.1
 
 This is what ``crossover-run`` starts on every rank. It installs the horovod.torch patch
 (:func:`horovod_ext.scheduling.install`) and then runs the script as ``python train.py`` would:
@@ -16,7 +16,7 @@ import runpy
 import sys
 from typing import Sequence
 
-USAGE = "usage: python -m crossover.scheduler.launch (SCRIPT | -m MODULE) [ARGS...]\n"
+USAGE = "usage: python -m horovod_ext.launch (SCRIPT | -m MODULE) [ARGS...]\n"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
