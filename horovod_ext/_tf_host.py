@@ -162,8 +162,9 @@ class TFHookBase:
             self.driver.reset()
             self._eager_phase = "idle"
 
-    def _stats_locked(self) -> dict[str, Any]:
-        """The driver's telemetry, with the bytes of the last step that no "begin step" has read yet."""
+    def stats(self) -> dict[str, Any]:
+        """Cumulative telemetry of this rank (the torch objects' keys): the driver's, with the bytes of
+        the last step that no "begin step" has read yet."""
         with self._lock:
             out = self.driver.stats()
             out["bytes_sent"], out["bytes_dense"] = self._bytes_now()

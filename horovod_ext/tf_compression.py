@@ -246,11 +246,7 @@ class _SparseCompression(TFHookBase):
         self._mark_decompressed()
         return out
 
-    # ------------------------------------------------------------------ telemetry and state
-    def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense (torch keys)."""
-        return self._stats_locked()
-
+    # ------------------------------------------------------------------ state
     def state_dict(self, include_residuals: bool = True) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals as numpy arrays)."""
         with self._lock:

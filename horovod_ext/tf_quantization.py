@@ -28,7 +28,6 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from crossover.adaptive.dqsgd import MAX_BITS, MIN_BITS
 from crossover.adaptive.driver import QuantStepDriver, dqsgd_settings, lr_at, shared_seed
 from crossover.compression import cost_model
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name
@@ -100,14 +99,6 @@ class _QuantizedBase(TFHookBase):
         self.driver = driver
         self.transport = transport
         self._b_max = b_max
-
-    @property
-    def _bits(self) -> int:
-        return self.driver.bits
-
-    @property
-    def _step(self) -> int:
-        return self.driver.step
 
     def _acc_len(self) -> int:
         return _QACC
@@ -214,18 +205,12 @@ class _QuantizedBase(TFHookBase):
         self._mark_decompressed()
         return out
 
-    def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank, with the bits of the step in flight."""
-        return self._stats_locked()
-
 
 class QSGDCompression(_QuantizedBase):
     """Static QSGD: `bits` per element (2 = TernGrad-style ternary), stochastic rounding, max-norm scale."""
 
     def __init__(self, bits: int = 8, *, error_feedback: bool = False, min_compress_numel: int = 16384,
                  seed: int = 0, transport: str = "auto") -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
-            raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
         self.fixed_bits = bits
         super().__init__(QuantStepDriver(bits=bits), error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, transport=transport, b_max=bits)

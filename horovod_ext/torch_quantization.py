@@ -18,7 +18,6 @@ from typing import Any, Union
 
 import torch
 
-from crossover.adaptive.dqsgd import MAX_BITS, MIN_BITS
 from crossover.adaptive.driver import QuantStepDriver, dqsgd_settings, lr_at
 from crossover.compression.quant_codec import TRANSPORTS, QuantCodec, choose_quant_transport
 from horovod_ext._torch_host import TorchHookBase
@@ -44,14 +43,6 @@ class _QuantizedCompression(TorchHookBase):
     @property
     def _residuals(self) -> dict[str, torch.Tensor]:
         return self.codec.memory._residuals
-
-    @property
-    def _bits(self) -> int:
-        return self.driver.bits
-
-    @property
-    def _step(self) -> int:
-        return self.driver.step
 
     def _begin_step(self) -> None:
         self.driver.begin_step(self.comm.size())
@@ -94,8 +85,6 @@ class QSGDCompression(_QuantizedCompression):
 
     def __init__(self, bits: int = 8, *, error_feedback: bool = False, min_compress_numel: int = 16384,
                  seed: int = 0, transport: str = "auto") -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
-            raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
         self.fixed_bits = bits
         super().__init__(QuantStepDriver(bits=bits), error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, transport=transport)

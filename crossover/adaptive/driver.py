@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from crossover.adaptive.dqsgd import DqsgdPolicy, DqsgdStats, error_budget_for_bits
+from crossover.adaptive.dqsgd import MAX_BITS, MIN_BITS, DqsgdPolicy, DqsgdStats, error_budget_for_bits
 from crossover.adaptive.gravac import Plan, StepStats
 
 __all__ = ["SparseStatsLayout", "StepRecord", "SparseStepDriver", "QuantStepDriver", "QUANT_STATS_LEN",
@@ -338,7 +338,9 @@ class QuantStepDriver:
     """
 
     def __init__(self, *, bits: int, dqsgd: Mapping[str, Any] | None = None) -> None:
-        self.fixed_bits = int(bits)
+        if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+            raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+        self.fixed_bits = bits
         self.step = 0
         self.bytes_sent = 0
         self.bytes_dense = 0
