@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from hvd_harness import run_script
 
+from crossover.adaptive.driver import SparseStatsLayout
+
 WORKER = Path(__file__).with_name("hvd_tf_worker.py")
 N = 50_000  # elements of the test variable (above min_compress_numel)
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -141,8 +143,9 @@ def test_averages_match_horovod_and_compression_off_is_exact():
         np.testing.assert_allclose(reduced, both / 2, rtol=1e-6, atol=1e-6)
     assert res[0]["topk_eager_step"] == 2
     k = int(np.ceil(N / 10))
-    assert res[0]["topk_stats"]["bytes_sent"] == k * 8 + 5 * 4 and res[0]["topk_stats"]["bytes_dense"] == N * 4
-    assert res[0]["randomk_stats"]["bytes_sent"] == (N // 4 + 5) * 4
+    nstats = SparseStatsLayout(2).length  # the statistics vector that rides with the payload (floor, candidate)
+    assert res[0]["topk_stats"]["bytes_sent"] == k * 8 + nstats * 4 and res[0]["topk_stats"]["bytes_dense"] == N * 4
+    assert res[0]["randomk_stats"]["bytes_sent"] == (N // 4 + nstats) * 4
     scale = max(np.abs(g0).max(), np.abs(g1).max())
     qa, qr = (np.asarray(res[0][n], np.float32) for n in ("qsgd_ag", "qsgd_ar"))
     assert np.abs(qa - avg).max() <= scale / 127 + 1e-5, "each element: an average of two roundings"
