@@ -8,7 +8,8 @@ The directory is, in order of preference:
 3. ``/tmp/crossover-<uid>``.
 
 It must be a real directory (not a symlink) owned by this user with no permissions for group or
-others (0700), in a parent that no other user can write to (or a sticky one such as ``/tmp``).
+others (0700), whose ancestors belong to this user or root and cannot be written by others unless
+sticky (such as ``/tmp``): nobody else can replace it.
 :func:`secure_dir` creates it so; an existing directory that is not ours and private is refused
 (:class:`SchedulerDirError`), never tightened: it may hold entries another user planted while it was
 open. It holds the socket (:data:`SOCKET_NAME`), the lock the running daemon holds (:data:`LOCK_NAME`)
