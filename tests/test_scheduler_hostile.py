@@ -417,6 +417,35 @@ def test_a_stopped_daemon_costs_one_probe_then_the_job_runs_at_full_speed(sched_
     c.close()
 
 
+def test_a_long_wait_for_a_turn_is_not_taken_for_a_hung_daemon(sched_dir: str) -> None:
+    """The ping probe does not cut a legitimate wait: a holder stopped with SIGSTOP keeps the device until
+    the lease (3 s, longer than probe + reply time-out); the waiter stays coordinated and gets its turn."""
+    start_daemon(sched_dir, "--lease", "3")
+    code = f"""
+        import time
+        from crossover.scheduler.client import SchedulerClient
+        c = SchedulerClient("A", "r0", directory={sched_dir!r}, autostart=False)
+        assert c.connect(wait=10) and c.acquire("cpu0", 0)
+        print("held", flush=True)
+        time.sleep(600)
+    """
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=ENV, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        holder.send_signal(signal.SIGSTOP)
+        b = SchedulerClient("B", "r0", directory=sched_dir, autostart=False, probe_s=0.5, reply_timeout=1.0)
+        assert b.connect(wait=10)
+        t0 = time.monotonic()
+        assert b.acquire("cpu0", 0)  # granted at lease expiry, not given up as "hung"
+        assert time.monotonic() - t0 >= 2.0 and b.connected
+        b.release("cpu0")
+        b.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # --------------------------------------------------------------------------- 5. runs sharing a telemetry dir
 
 
