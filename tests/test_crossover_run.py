@@ -221,6 +221,8 @@ def test_two_jobs_take_turns_and_match_running_alone(work: Path, sched: Path, al
     assert _wait(proc, log) == 0, log.read_text()
     assert _result(outs[0]) == alone_sha and _result(outs[1]) == alone_sha
     text = log.read_text()
+    (tel,) = [p for p in tel.iterdir() if p.name.startswith("run-")]  # this run's own sub-directory
+    assert f"telemetry in {tel}" in text
     assert "[job0]" in text and "[job1]" in text and "busy" in text and (tel / "timeline.json").exists()
 
     # The daemon's log: turns on the device follow one another, never two at once, both jobs served.

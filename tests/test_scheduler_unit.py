@@ -232,8 +232,15 @@ def test_secure_dir(tmp_path, monkeypatch) -> None:
     assert paths.secure_dir(d) == d
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     os.chmod(d, 0o755)
-    paths.secure_dir(d)
-    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700  # tightened
+    with pytest.raises(paths.SchedulerDirError, match="chmod 700"):
+        paths.secure_dir(d)  # an existing open directory is refused, never tightened
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
+    os.chmod(d, 0o700)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(paths.SchedulerDirError, match="can be written by other users"):
+        paths.secure_dir(str(open_dir / "s"))  # others could replace it
     link = tmp_path / "link"
     link.symlink_to(d)
     with pytest.raises(paths.SchedulerDirError):

@@ -3,8 +3,18 @@
 :class:`SchedulerClient` never stops a job. When the daemon is not running it starts one (a detached
 ``python -m crossover.scheduler.daemon``; the daemon's lock makes concurrent starts safe). When the
 daemon dies, does not answer, or sends something invalid, the client logs a warning once, and its
-:meth:`~SchedulerClient.acquire` returns ``False`` at once (the job runs uncoordinated); at most every
-``retry_s`` seconds it tries to re-attach (starting a new daemon if none runs) and logs when it has.
+:meth:`~SchedulerClient.acquire` returns ``False`` at once (the job runs uncoordinated). Re-attaching
+happens in a background thread, never inside a training step: at most every ``retry_s`` seconds
+(spaced out up to :data:`RETRY_MAX_S` while the daemon accepts but does not answer), starting a new
+daemon if none runs; the client logs when it has re-attached.
+
+A daemon that stops answering is noticed quickly: while an acquire waits for its grant, the client
+pings the daemon after ``probe_s`` (1 s) without news and gives up when the pong does not come within
+``reply_timeout`` (2 s); a legitimate wait (another job's turn, up to the lease) keeps being answered.
+
+The client only talks to a daemon of its own user (or root): right after connecting, before sending
+anything, it checks the listening process's uid (``SO_PEERCRED``). A socket of another user is treated
+as "no daemon" (one warning; a daemon started on demand replaces the socket).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -26,9 +37,14 @@ from typing import Any
 from crossover.scheduler import paths
 from crossover.scheduler.protocol import CLIENT_OPS, HEADER, SERVER_OPS, VERSION, Decoder, ProtocolError, encode
 
-__all__ = ["SchedulerClient", "spawn_daemon"]
+__all__ = ["SchedulerClient", "spawn_daemon", "ForeignDaemonError"]
 
 log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 2.0  # connect + welcome: a live daemon answers in microseconds
+RETRY_MAX_S = 10.0
+_UCRED = struct.Struct("3i")
+_spawn_lock = threading.Lock()
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spawned: list[subprocess.Popen[bytes]] = []
@@ -41,16 +57,21 @@ def spawn_daemon(directory: str, extra_args: tuple[str, ...] = ()) -> subprocess
     The daemon reads its settings from the environment (``CROSSOVER_LEASE_S``, ``CROSSOVER_ALIGN_MS``,
     ``CROSSOVER_SCHED_IDLE_EXIT``, ``CROSSOVER_SCHED_TRACE``).
     """
-    for p in list(_spawned):  # reap daemons that exited (e.g. lost the race)
-        if p.poll() is not None:
-            _spawned.remove(p)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if x)
-    with open(os.path.join(directory, paths.LOG_NAME), "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", directory,
-                                 *extra_args], stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
-                                cwd="/", start_new_session=True, close_fds=True)
-    _spawned.append(proc)
+    # never through a planted symlink (raises SchedulerDirError, an OSError-free refusal the caller logs)
+    fd = paths.open_own_file(os.path.join(directory, paths.LOG_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        with _spawn_lock:
+            for p in list(_spawned):  # reap daemons that exited (e.g. lost the race)
+                if p.poll() is not None:
+                    _spawned.remove(p)
+            proc = subprocess.Popen([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", directory,
+                                     *extra_args], stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env,
+                                    cwd="/", start_new_session=True, close_fds=True)
+            _spawned.append(proc)
+    finally:
+        os.close(fd)
     log.info("started a crossover scheduler daemon (pid %d) for %s", proc.pid, directory)
     return proc
 
@@ -72,6 +93,66 @@ def _frame_release(dev: str) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+class ForeignDaemonError(ConnectionError):
+    """The socket is served by a process of another user: not our daemon."""
+
+
+class _Hung(TimeoutError):
+    """The daemon accepted or holds the connection but does not answer."""
+
+
+class _Channel:
+    """One open connection to the daemon: socket, frame decoder, replies kept for later."""
+
+    __slots__ = ("sock", "decoder", "pending")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.decoder = Decoder(SERVER_OPS)
+        self.pending: list[dict[str, Any]] = []
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.sendall(encode(msg))
+
+    def recv_until(self, match: Any, timeout: float) -> dict[str, Any]:
+        """Read messages until ``match(msg)``; others are kept (unawaited pongs dropped). Raises on
+        error/EOF, :class:`_Hung` on time-out."""
+        for i, m in enumerate(self.pending):
+            if match(m):
+                return self.pending.pop(i)
+        deadline = time.monotonic() + timeout
+        want = timeout
+        while True:
+            if self.sock.gettimeout() != want:  # unchanged in the usual case: no extra syscall
+                self.sock.settimeout(want)
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:  # TimeoutError from Python 3.10 on
+                raise _Hung(f"no reply within {timeout:.3g} s") from None
+            if not data:
+                raise ConnectionError("the scheduler daemon closed the connection")
+            for m in self.decoder.feed(data):
+                if m["op"] == "error":
+                    raise ConnectionError(f"the scheduler daemon reported: {m['msg']}")
+                if match(m):
+                    return m
+                if m["op"] != "pong":
+                    self.pending.append(m)
+            want = deadline - time.monotonic()
+            if want <= 0:
+                raise _Hung(f"no reply within {timeout:.3g} s")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process that listens on the other end of a connected Unix socket."""
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid
+
+
 def _forget_in_child(ref: weakref.ref[SchedulerClient]) -> None:
     client = ref()
     if client is not None:
@@ -82,11 +163,14 @@ class SchedulerClient:
     """A worker's connection to the scheduler daemon of its host (thread-safe, never raises on I/O).
 
     ``job`` names the job (every worker of one job must use the same name on every host), ``member``
-    this worker (e.g. ``rank3``), ``weight`` the job's share when several jobs wait.
+    this worker (e.g. ``rank3``), ``weight`` the job's share when several jobs wait. ``acquire_timeout``
+    bounds one acquire (default ``4 x lease + 5`` s); ``probe_s`` and ``reply_timeout`` set how fast a
+    daemon that stopped answering is noticed (see the module docstring).
     """
 
     def __init__(self, job: str, member: str, weight: float = 1.0, directory: str | None = None, *,
-                 autostart: bool = True, retry_s: float = 1.0, acquire_timeout: float | None = None) -> None:
+                 autostart: bool = True, retry_s: float = 1.0, acquire_timeout: float | None = None,
+                 probe_s: float = 1.0, reply_timeout: float = 2.0) -> None:
         self.job = job
         self.member = member
         self.weight = weight
@@ -95,15 +179,19 @@ class SchedulerClient:
         self.autostart = autostart
         self.retry_s = retry_s
         self.acquire_timeout = acquire_timeout
+        self.probe_s = probe_s
+        self.reply_timeout = reply_timeout
         self.lease_s: float | None = None
         self.daemon_pid: int | None = None
-        self._sock: socket.socket | None = None
-        self._decoder = Decoder(SERVER_OPS)
-        self._pending: list[dict[str, Any]] = []
+        self._ch: _Channel | None = None
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._next_try = 0.0
+        self._retry_delay = retry_s
+        self._attacher: threading.Thread | None = None
+        self._closed = False
         self._warned = False
+        self._warned_foreign = False
         self._attached_once = False
         self._pid = os.getpid()
         ref = weakref.ref(self)
@@ -114,10 +202,11 @@ class SchedulerClient:
 
         Otherwise the parent's turn would survive the parent's death as long as the child lives.
         """
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.close()  # closes this process's descriptor only; the parent stays connected
-            self._sock = None
+        self._lock = threading.RLock()  # the parent's may have been held by a thread that is not here
+        self._attacher = None
+        if self._ch is not None:
+            self._ch.close()  # closes this process's descriptor only; the parent stays connected
+            self._ch = None
         self.autostart = False
 
     # ------------------------------------------------------------------ connection
@@ -125,52 +214,70 @@ class SchedulerClient:
     @property
     def connected(self) -> bool:
         """Whether a daemon connection is open (turns are coordinated)."""
-        return self._sock is not None
+        return self._ch is not None
 
     def connect(self, wait: float = 5.0) -> bool:
         """Connect (starting a daemon if none runs), trying for up to ``wait`` seconds."""
         with self._lock:
-            if self._sock is not None:
+            self._closed = False
+            if self._ch is not None:
                 return True
             deadline = time.monotonic() + wait
             spawned = False
             while True:
-                if self._try_connect():
+                try:
+                    self._install(*self._handshake())
                     return True
-                if self.autostart and not spawned:
-                    self._spawn()
-                    spawned = True
+                except _Hung as exc:  # a daemon holds the socket but does not answer: do not wait for it
+                    self._lost(f"the daemon on {self.sock_path} does not answer ({exc})")
+                    return False
+                except (OSError, ProtocolError) as exc:
+                    self._note_failure(exc)
+                    if self.autostart and not spawned:
+                        self._spawn()
+                        spawned = True
                 if time.monotonic() >= deadline:
                     self._lost("no scheduler daemon answers on " + self.sock_path)
                     return False
                 time.sleep(0.02)
 
     def _spawn(self) -> None:
-        if any(p.poll() is None for p in _spawned):
-            return  # the daemon we started is still starting up (or serving): do not pile up more
+        with _spawn_lock:
+            if any(p.poll() is None for p in _spawned):
+                return  # the daemon we started is still starting up (or serving): do not pile up more
         try:
             spawn_daemon(self.directory)
-        except OSError as exc:
+        except (OSError, paths.SchedulerDirError) as exc:
             log.warning("cannot start the crossover scheduler daemon: %s", exc)
 
-    def _try_connect(self) -> bool:
+    def _handshake(self) -> tuple[_Channel, dict[str, Any]]:
+        """Connect, check that the daemon is of our user, say hello, read the welcome. Touches no state."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        ch = _Channel(sock)
         try:
-            sock.settimeout(5.0)
-            sock.connect(self.sock_path)
-            self._sock = sock
-            self._decoder = Decoder(SERVER_OPS)
-            self._pending = []
-            self._send({"op": "hello", "v": VERSION, "job": self.job, "member": self.member,
-                        "weight": float(self.weight), "pid": os.getpid()})
-            welcome = self._recv_until(lambda m: m["op"] == "welcome", 5.0)
-        except (OSError, ProtocolError, TimeoutError) as exc:
-            sock.close()
-            self._sock = None
-            log.debug("connect to %s failed: %s", self.sock_path, exc)
-            return False
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                sock.connect(self.sock_path)
+            except socket.timeout:  # the listen queue is full: a daemon that does not accept
+                raise _Hung("the daemon does not accept connections") from None
+            pid, uid = _peer_uid(sock)
+            if uid not in (os.geteuid(), 0):  # before sending anything: no job names to a stranger
+                raise ForeignDaemonError(f"{self.sock_path} is served by pid {pid} of uid {uid}, not by this "
+                                         f"user ({os.geteuid()})")
+            ch.send({"op": "hello", "v": VERSION, "job": self.job, "member": self.member,
+                     "weight": float(self.weight), "pid": os.getpid()})
+            welcome = ch.recv_until(lambda m: m["op"] == "welcome", CONNECT_TIMEOUT_S)
+        except BaseException:
+            ch.close()
+            raise
+        return ch, welcome
+
+    def _install(self, ch: _Channel, welcome: dict[str, Any]) -> None:
+        """Use a fresh connection (the caller holds the lock and has none)."""
+        self._ch = ch
         self.lease_s = float(welcome["lease"])
         self.daemon_pid = int(welcome["pid"])
+        self._retry_delay = self.retry_s
         if self._warned or self._attached_once:
             log.warning("crossover scheduler: re-attached to daemon %d on %s; turns are coordinated again",
                         self.daemon_pid, self.sock_path)
@@ -179,88 +286,111 @@ class SchedulerClient:
                      self.job, self.member, self.daemon_pid, self.sock_path)
         self._warned = False
         self._attached_once = True
-        return True
 
-    def _maybe_reconnect(self) -> bool:
-        if os.getpid() != self._pid:
-            return False  # a forked child never talks to the daemon
+    def _note_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, ForeignDaemonError):
+            if not self._warned_foreign:
+                log.warning("crossover scheduler: %s; ignoring it (no daemon of ours: running uncoordinated%s)",
+                            exc, ", starting our own" if self.autostart else "")
+                self._warned_foreign = True
+        else:
+            log.debug("connect to %s failed: %s", self.sock_path, exc)
+
+    def _reattach_later(self) -> None:
+        """Start one background attempt to re-attach when one is due; never blocks the caller."""
+        if self._closed or os.getpid() != self._pid:
+            return  # closed, or a forked child: never talks to the daemon
         now = time.monotonic()
-        if now < self._next_try:
-            return False
-        self._next_try = now + self.retry_s
-        if self._try_connect():
-            return True
-        if self.autostart:
-            self._spawn()  # connect on a later call: never block the job waiting for it
-        return False
+        if now < self._next_try or (self._attacher is not None and self._attacher.is_alive()):
+            return
+        self._next_try = float("inf")  # set again when the attempt ends
+        self._attacher = threading.Thread(target=self._attach_attempt, name="crossover-reattach", daemon=True)
+        self._attacher.start()
+
+    def _attach_attempt(self) -> None:
+        delay = self.retry_s
+        try:
+            ch, welcome = self._handshake()
+        except _Hung as exc:  # accepts (or queues) but does not answer: space the attempts out
+            log.debug("re-attach to %s: %s", self.sock_path, exc)
+            delay = self._retry_delay = min(max(RETRY_MAX_S, self.retry_s), 2 * self._retry_delay)
+        except (OSError, ProtocolError) as exc:  # none (or not ours): start one, connect on a later attempt
+            self._note_failure(exc)
+            if self.autostart:
+                self._spawn()
+        else:
+            with self._lock:
+                if self._ch is None and not self._closed and os.getpid() == self._pid:
+                    self._install(ch, welcome)
+                    ch = None  # type: ignore[assignment]
+            if ch is not None:
+                ch.close()
+        self._next_try = time.monotonic() + delay
 
     def _lost(self, why: str) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.close()
-            self._sock = None
+        if self._ch is not None:
+            self._ch.close()
+            self._ch = None
         self._next_try = time.monotonic() + self.retry_s
         if not self._warned:
-            log.warning("crossover scheduler: %s; continuing uncoordinated (will try to re-attach every %.3g s)",
-                        why, self.retry_s)
+            log.warning("crossover scheduler: %s; continuing uncoordinated (re-attaching in the background, at "
+                        "most every %.3g s)", why, self.retry_s)
             self._warned = True
 
     def close(self) -> None:
-        """Close the connection (the daemon then releases whatever this worker held)."""
+        """Close the connection (the daemon then releases whatever this worker held); no re-attaching."""
         with self._lock:
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.close()
-                self._sock = None
-
-    # ------------------------------------------------------------------ low level
-
-    def _send(self, msg: dict[str, Any]) -> None:
-        assert self._sock is not None
-        self._sock.sendall(encode(msg))
-
-    def _recv_until(self, match: Any, timeout: float | None) -> dict[str, Any]:
-        """Read messages until ``match(msg)``; others are kept for later. Raises on error/EOF/timeout."""
-        assert self._sock is not None
-        for i, m in enumerate(self._pending):
-            if match(m):
-                return self._pending.pop(i)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        first = True
-        while True:
-            want = timeout
-            if timeout is not None and not first:
-                assert deadline is not None
-                want = deadline - time.monotonic()
-                if want <= 0:
-                    raise TimeoutError("no reply from the scheduler daemon")
-            if self._sock.gettimeout() != want:  # unchanged in the usual case: no extra syscall
-                self._sock.settimeout(want)
-            first = False
-            data = self._sock.recv(65536)
-            if not data:
-                raise ConnectionError("the scheduler daemon closed the connection")
-            for m in self._decoder.feed(data):
-                if m["op"] == "error":
-                    raise ConnectionError(f"the scheduler daemon reported: {m['msg']}")
-                if match(m):
-                    return m
-                self._pending.append(m)
+            self._closed = True
+            if self._ch is not None:
+                self._ch.close()
+                self._ch = None
 
     # ------------------------------------------------------------------ requests
+
+    def _await_grant(self, ch: _Channel, req: int, timeout: float) -> None:
+        """Wait for the grant of request ``req``; ping the daemon when it is silent for ``probe_s``."""
+        deadline = time.monotonic() + timeout
+
+        def is_grant(m: dict[str, Any]) -> bool:
+            return m["op"] == "grant" and m["id"] == req
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no grant within {timeout:.3g} s")
+            try:
+                ch.recv_until(is_grant, min(self.probe_s, left))
+                return
+            except _Hung:
+                pass
+            ping = next(self._ids)
+            ch.send({"op": "ping", "id": ping})
+            try:
+                m = ch.recv_until(lambda m, p=ping: is_grant(m) or (m["op"] == "pong" and m["id"] == p),
+                                  self.reply_timeout)
+            except _Hung:
+                raise _Hung(f"the daemon does not answer (no reply to a ping within {self.reply_timeout:.3g} s)"
+                            ) from None
+            if m["op"] == "grant":
+                return
 
     def acquire(self, dev: str, seq: int) -> bool:
         """Block until this worker's job has ``dev`` for step ``seq``. False: not coordinated (no daemon)."""
         with self._lock:
-            if self._sock is None and not self._maybe_reconnect():
+            ch = self._ch
+            if ch is None:
+                self._reattach_later()
                 return False
             req = next(self._ids)
             timeout = self.acquire_timeout
             if timeout is None:
                 timeout = 4.0 * (self.lease_s or 10.0) + 5.0
             try:
-                self._sock.sendall(_frame_acquire(req, dev, seq))
-                self._recv_until(lambda m: m["op"] == "grant" and m["id"] == req, timeout)
+                ch.sock.sendall(_frame_acquire(req, dev, seq))
+                self._await_grant(ch, req, timeout)
+            except _Hung as exc:
+                self._lost(str(exc))
+                return False
             except TimeoutError:
                 self._lost(f"no grant for {dev} within {timeout:.3g} s")
                 return False
@@ -272,23 +402,25 @@ class SchedulerClient:
     def release(self, dev: str) -> None:
         """Give ``dev`` back (no reply is awaited)."""
         with self._lock:
-            if self._sock is None:
+            if self._ch is None:
                 return
             try:
-                self._sock.sendall(_frame_release(dev))
+                self._ch.sock.sendall(_frame_release(dev))
             except OSError as exc:
                 self._lost(f"lost the daemon ({exc})")
 
     def ping(self) -> float | None:
         """Round-trip time to the daemon in seconds, or None when not connected."""
         with self._lock:
-            if self._sock is None and not self._maybe_reconnect():
+            ch = self._ch
+            if ch is None:
+                self._reattach_later()
                 return None
             req = next(self._ids)
             t0 = time.perf_counter()
             try:
-                self._send({"op": "ping", "id": req})
-                self._recv_until(lambda m: m["op"] == "pong" and m["id"] == req, 5.0)
+                ch.send({"op": "ping", "id": req})
+                ch.recv_until(lambda m: m["op"] == "pong" and m["id"] == req, 5.0)
             except (OSError, ProtocolError) as exc:
                 self._lost(f"lost the daemon ({exc})")
                 return None
@@ -297,12 +429,14 @@ class SchedulerClient:
     def status(self) -> dict[str, Any] | None:
         """The daemon's view of devices, turns and jobs, or None when not connected."""
         with self._lock:
-            if self._sock is None and not self._maybe_reconnect():
+            ch = self._ch
+            if ch is None:
+                self._reattach_later()
                 return None
             req = next(self._ids)
             try:
-                self._send({"op": "status", "id": req})
-                return self._recv_until(lambda m: m["op"] == "status" and m["id"] == req, 5.0)["state"]
+                ch.send({"op": "status", "id": req})
+                return ch.recv_until(lambda m: m["op"] == "status" and m["id"] == req, 5.0)["state"]
             except (OSError, ProtocolError) as exc:
                 self._lost(f"lost the daemon ({exc})")
                 return None

@@ -11,9 +11,22 @@ with it. It exits after ``--idle-exit`` seconds without any connection (0: never
 
 One event loop (``selectors``/epoll), non-blocking sockets, no threads. A connection that sends a
 malformed frame, an invalid message or a request that contradicts its state gets an ``error`` reply
-and is closed; so is one from another user (``SO_PEERCRED``), one beyond :data:`MAX_CLIENTS`, or one
-that does not read its replies (more than :data:`OUT_LIMIT` bytes queued). Whatever a connection held
-or waited for is given up when it closes, so a worker that dies releases its device at once.
+and is closed; so is one from another user (``SO_PEERCRED``), one that does not read its replies (more
+than :data:`OUT_LIMIT` bytes queued) and one that has not said hello within ``--hello-timeout`` (5 s).
+Whatever a connection held or waited for is given up when it closes, so a worker that dies releases its
+device at once.
+
+Descriptors: the daemon raises its soft ``RLIMIT_NOFILE`` as far as the hard limit allows (up to what it
+needs) and serves at most :data:`MAX_CLIENTS` connections, fewer when the limit is lower, keeping
+:data:`FD_RESERVE` descriptors free. When full, a new connection takes the place of the oldest one that
+has not said hello yet (so idle connections cannot lock a real worker out), else it is refused. If
+``accept`` fails anyway (``EMFILE``/``ENFILE``), the daemon stops accepting for a while (10 ms doubling to
+1 s) instead of spinning. Repetitive log lines (refusals, closed connections, accept failures) are
+rate-limited: a burst, then about one line per second, then a count of what was left out.
+
+Files: the lock and the trace are opened with :func:`crossover.scheduler.paths.open_own_file` (never
+through a symbolic link, only a plain file of ours with one link), as is the log by a worker that starts
+the daemon.
 
 ``--trace FILE`` (or ``$CROSSOVER_SCHED_TRACE``) appends one JSON line per scheduling event (turn
 start / join / leave / end, lease expiry, connect / disconnect) with the wall-clock time ``t``.
@@ -29,6 +42,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -48,7 +62,14 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_S = 10.0
 DEFAULT_ALIGN_MS = 2.0
 DEFAULT_IDLE_EXIT_S = 60.0
+DEFAULT_HELLO_TIMEOUT_S = 5.0
 MAX_CLIENTS = 1024
+FD_RESERVE = 32  # descriptors kept free for the daemon itself (listener, epoll, lock, log, trace, accept)
+ACCEPT_BATCH = 64  # connections accepted per wake-up at most, so that clients are served meanwhile
+ACCEPT_BACKOFF_MIN_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+LOG_BURST = 20
+LOG_PER_S = 1.0
 OUT_LIMIT = 64 * 1024
 RECV_SIZE = 65536
 _UCRED = struct.Struct("3i")
@@ -58,8 +79,55 @@ class _Stop(Exception):
     """Raised by the signal handler to leave the event loop."""
 
 
+class _LogLimiter:
+    """Rate-limited logging per kind of message: ``burst`` lines at once, then ``per_s`` lines per second;
+    what is left out is counted and reported as one line ("N more 'KIND' messages suppressed")."""
+
+    def __init__(self, logger: logging.Logger, burst: int = LOG_BURST, per_s: float = LOG_PER_S) -> None:
+        self._log = logger
+        self.burst = float(burst)
+        self.per_s = per_s
+        self._state: dict[str, list[float]] = {}  # kind -> [tokens, last refill, suppressed]
+
+    def _refill(self, kind: str, now: float) -> list[float]:
+        st = self._state.get(kind)
+        if st is None:
+            st = self._state[kind] = [self.burst, now, 0.0]
+        st[0] = min(self.burst, st[0] + (now - st[1]) * self.per_s)
+        st[1] = now
+        return st
+
+    def log(self, kind: str, level: int, msg: str, *args: object) -> None:
+        """Log ``msg % args`` unless ``kind`` is over its rate (then count it)."""
+        st = self._refill(kind, time.monotonic())
+        if st[0] < 1.0:
+            st[2] += 1
+            return
+        st[0] -= 1.0
+        if st[2]:
+            self._report(kind, st)
+        self._log.log(level, msg, *args)
+
+    def _report(self, kind: str, st: list[float]) -> None:
+        self._log.warning("%d more '%s' messages suppressed", int(st[2]), kind)
+        st[2] = 0.0
+
+    def next_flush(self) -> float | None:
+        """When a count of left-out lines is due (monotonic time), or None."""
+        due = [st[1] + max(0.0, 1.0 - st[0]) / self.per_s for st in self._state.values() if st[2]]
+        return min(due, default=None)
+
+    def flush(self, now: float, force: bool = False) -> None:
+        """Report the counts of left-out lines that are due (all of them with ``force``)."""
+        for kind in list(self._state):
+            st = self._refill(kind, now)
+            if st[2] and (force or st[0] >= 1.0):
+                st[0] = max(0.0, st[0] - 1.0)
+                self._report(kind, st)
+
+
 class _Client:
-    __slots__ = ("cid", "sock", "decoder", "out", "said_hello", "peer_pid", "writing")
+    __slots__ = ("cid", "sock", "decoder", "out", "said_hello", "peer_pid", "writing", "hello_deadline")
 
     def __init__(self, cid: int, sock: socket.socket, peer_pid: int) -> None:
         self.cid = cid
@@ -69,13 +137,33 @@ class _Client:
         self.said_hello = False
         self.peer_pid = peer_pid
         self.writing = False
+        self.hello_deadline = 0.0
+
+
+def _fd_limit_cap(requested: int | None) -> int:
+    """How many connections to serve: raise the soft descriptor limit if the hard one allows, keep a reserve."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_CLIENTS + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want and (hard == resource.RLIM_INFINITY or hard > soft):
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if requested is not None:  # tests: exercise what happens beyond the descriptor limit
+        return max(1, requested)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CLIENTS
+    return max(1, min(MAX_CLIENTS, soft - min(FD_RESERVE, soft // 2)))
 
 
 class Daemon:
     """One scheduler daemon serving ``directory``; :meth:`start` then :meth:`serve_forever`."""
 
     def __init__(self, directory: str, lease_s: float = DEFAULT_LEASE_S, align_s: float = DEFAULT_ALIGN_MS / 1e3,
-                 idle_exit_s: float = DEFAULT_IDLE_EXIT_S, trace: str | None = None) -> None:
+                 idle_exit_s: float = DEFAULT_IDLE_EXIT_S, trace: str | None = None, *,
+                 hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S, max_clients: int | None = None) -> None:
         self.directory = paths.secure_dir(directory)
         self.sock_path = paths.socket_path(self.directory)
         self.idle_exit_s = idle_exit_s
@@ -91,13 +179,19 @@ class Daemon:
         self._trace: IO[str] | None = None
         self._idle_since = time.monotonic()
         self._uid = os.geteuid()
+        self.hello_timeout_s = hello_timeout_s
+        self.max_clients = _fd_limit_cap(max_clients)
+        self._unwelcomed: dict[int, _Client] = {}  # not said hello yet, oldest first (= earliest deadline)
+        self._accept_paused_until: float | None = None
+        self._accept_backoff = 0.0
+        self._logs = _LogLimiter(log)
 
     # ------------------------------------------------------------------ start / stop
 
     def start(self) -> bool:
         """Take the directory's lock and bind the socket. False when another daemon already runs."""
         lock_path = os.path.join(self.directory, paths.LOCK_NAME)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = paths.open_own_file(lock_path, os.O_RDWR | os.O_CREAT)  # a planted symlink: refused, not followed
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -125,10 +219,12 @@ class Daemon:
         if self.trace_path:
             # line-buffered: every event is on disk before the grant it announces is sent, even if the
             # daemon is killed right after (tests and post-mortems rely on it; off unless asked for)
-            self._trace = open(self.trace_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            tfd = paths.open_own_file(self.trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            self._trace = os.fdopen(tfd, "a", buffering=1, encoding="utf-8")
         self._trace_event({"ev": "daemon_start", "lease_s": self.sched.lease_s, "align_s": self.sched.align_s})
-        log.info("crossover scheduler daemon %d serving %s (lease %.3g s, align %.3g ms, idle exit %.3g s)",
-                 os.getpid(), self.sock_path, self.sched.lease_s, self.sched.align_s * 1e3, self.idle_exit_s)
+        log.info("crossover scheduler daemon %d serving %s (lease %.3g s, align %.3g ms, idle exit %.3g s, "
+                 "at most %d connections)", os.getpid(), self.sock_path, self.sched.lease_s,
+                 self.sched.align_s * 1e3, self.idle_exit_s, self.max_clients)
         return True
 
     def close(self) -> None:
@@ -136,7 +232,8 @@ class Daemon:
         for c in list(self._clients.values()):
             self._close(c, None)
         if self._listener is not None:
-            self._sel.unregister(self._listener)
+            if self._accept_paused_until is None:
+                self._sel.unregister(self._listener)
             self._listener.close()
             self._listener = None
             with contextlib.suppress(OSError):
@@ -149,6 +246,7 @@ class Daemon:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self._logs.flush(time.monotonic(), force=True)
         self._sel.close()
         log.info("crossover scheduler daemon %d stopped", os.getpid())
 
@@ -167,11 +265,15 @@ class Daemon:
                         self._accept()
                         continue
                     c: _Client = key.data
+                    if c.cid not in self._clients:
+                        continue  # closed by an earlier event of this batch (evicted, errored)
                     if mask & selectors.EVENT_READ:
                         self._read(c)
                     if mask & selectors.EVENT_WRITE and c.cid in self._clients:
                         self._flush(c)
-                self._deliver(self.sched.tick(time.monotonic()))
+                now = time.monotonic()
+                self._deliver(self.sched.tick(now))
+                self._housekeeping(now)
                 if (self.idle_exit_s > 0 and not self._clients
                         and time.monotonic() - self._idle_since >= self.idle_exit_s):
                     log.info("no connection for %.3g s: exiting", self.idle_exit_s)
@@ -192,34 +294,89 @@ class Daemon:
             times.append(deadline - now)
         if self.idle_exit_s > 0 and not self._clients:
             times.append(self._idle_since + self.idle_exit_s - now)
+        if self._unwelcomed:
+            times.append(next(iter(self._unwelcomed.values())).hello_deadline - now)
+        if self._accept_paused_until is not None:
+            times.append(self._accept_paused_until - now)
+        flush = self._logs.next_flush()
+        if flush is not None:
+            times.append(flush - now)
         return max(0.0, min(times)) if times else None
+
+    def _housekeeping(self, now: float) -> None:
+        """Close connections past their hello deadline, resume accepting after a pause, report left-out logs."""
+        while self._unwelcomed:
+            c = next(iter(self._unwelcomed.values()))
+            if c.hello_deadline > now:
+                break
+            self._close(c, f"no hello within {self.hello_timeout_s:.3g} s")
+        if self._accept_paused_until is not None and now >= self._accept_paused_until and self._listener is not None:
+            self._accept_paused_until = None
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._logs.flush(now)
+
+    def _pause_accept(self, exc: OSError) -> None:
+        """Out of descriptors: stop watching the listener for a while (no busy loop on a readable listener)."""
+        assert self._listener is not None
+        self._accept_backoff = min(ACCEPT_BACKOFF_MAX_S, max(ACCEPT_BACKOFF_MIN_S, 2 * self._accept_backoff))
+        self._logs.log("accept failed", logging.WARNING,
+                       "accept failed (%s) with %d connections open: not accepting for %.3g s",
+                       exc, len(self._clients), self._accept_backoff)
+        self._sel.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + self._accept_backoff
+
+    def _make_room(self) -> bool:
+        """Close the oldest connection that has not said hello yet; False when every connection has.
+
+        What a connection already sent is read first, so one whose hello waits in its buffer is served,
+        not evicted (it was accepted in the same batch as the newcomer).
+        """
+        for c in list(self._unwelcomed.values()):
+            self._read(c)
+            if c.cid not in self._clients:
+                return True  # it had closed (or sent garbage): room made
+            if c.cid in self._unwelcomed:
+                self._close(c, None, "evicted to make room: no hello yet and the daemon is full")
+                return True
+        return False
 
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
-                log.warning("accept failed: %s", exc)
-                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if self._make_room():
+                        continue  # a descriptor is free again: take the waiting connection
+                    self._pause_accept(exc)
+                    return
+                self._logs.log("accept failed", logging.WARNING, "accept failed: %s", exc)
+                continue  # e.g. ECONNABORTED: that connection is gone, the next one may be fine
+            self._accept_backoff = 0.0
             try:
                 pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
             except OSError:
                 pid, uid = 0, -1
             if uid not in (self._uid, 0):
-                log.warning("refused a connection from uid %d (pid %d)", uid, pid)
+                self._logs.log("refused", logging.WARNING, "refused a connection from uid %d (pid %d)", uid, pid)
                 sock.close()
                 continue
-            if len(self._clients) >= MAX_CLIENTS:
-                log.warning("refused a connection from pid %d: %d connections open", pid, MAX_CLIENTS)
+            if len(self._clients) >= self.max_clients and not self._make_room():
+                self._logs.log("refused", logging.WARNING, "refused a connection from pid %d: %d connections open",
+                               pid, len(self._clients))
+                with contextlib.suppress(OSError):
+                    sock.send(encode({"op": "error", "msg": f"daemon full ({len(self._clients)} connections)"}))
                 sock.close()
                 continue
             sock.setblocking(False)
             c = _Client(self._next_cid, sock, pid)
             self._next_cid += 1
+            c.hello_deadline = time.monotonic() + self.hello_timeout_s
             self._clients[c.cid] = c
+            self._unwelcomed[c.cid] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
 
     def _read(self, c: _Client) -> None:
@@ -249,6 +406,7 @@ class Daemon:
                 raise ProtocolError(f"{op} before hello")
             self.sched.hello(c.cid, msg["job"], msg["member"], float(msg["weight"]), msg["pid"])
             c.said_hello = True
+            self._unwelcomed.pop(c.cid, None)
             self._trace_event({"ev": "connect", "job": msg["job"], "member": msg["member"], "pid": msg["pid"]})
             self._send(c, {"op": "welcome", "v": VERSION, "pid": os.getpid(), "lease": self.sched.lease_s})
         elif op == "acquire":
@@ -322,12 +480,15 @@ class Daemon:
         """Close one connection (after an ``error`` reply when ``error`` is given); drop its state."""
         if self._clients.pop(c.cid, None) is None:
             return
+        self._unwelcomed.pop(c.cid, None)
         if error is not None:
-            log.warning("closing connection %d (pid %d): %s", c.cid, c.peer_pid, error)
+            self._logs.log("closing connection", logging.WARNING, "closing connection %d (pid %d): %s",
+                           c.cid, c.peer_pid, error)
             with contextlib.suppress(OSError, ProtocolError):
                 c.sock.send(encode({"op": "error", "msg": error[:900] or "error"}))
         elif why:
-            log.info("closing connection %d (pid %d): %s", c.cid, c.peer_pid, why)
+            self._logs.log("closing connection", logging.INFO, "closing connection %d (pid %d): %s",
+                           c.cid, c.peer_pid, why)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(c.sock)
         c.sock.close()
@@ -387,6 +548,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="run on every core (env CROSSOVER_SCHED_UNPIN=1); by default the daemon keeps the CPU "
                         "affinity of the worker that started it, so a daemon for a pinned core's workers runs on "
                         "that core: a wake-up on the same core costs ~20 us here, across cores ~80 us")
+    p.add_argument("--hello-timeout", type=float, default=DEFAULT_HELLO_TIMEOUT_S,
+                   help="close a connection that has not said hello within this many seconds (default %(default)s)")
+    p.add_argument("--max-clients", type=int, default=None, help=argparse.SUPPRESS)  # tests: beyond the fd limit
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v: info (default), -vv: every turn")
     return p
 
@@ -406,12 +570,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.setpriority(os.PRIO_PROCESS, 0, max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + args.nice)))
         except OSError as exc:
             log.info("cannot change the daemon's priority (%s); keeping it", exc)
+    if args.hello_timeout <= 0:
+        _build_parser().error("--hello-timeout must be > 0")
     try:
-        daemon = Daemon(args.dir or paths.default_dir(), args.lease, args.align_ms / 1e3, args.idle_exit, args.trace)
-    except paths.SchedulerDirError as exc:
-        log.error("%s", exc)
+        daemon = Daemon(args.dir or paths.default_dir(), args.lease, args.align_ms / 1e3, args.idle_exit, args.trace,
+                        hello_timeout_s=args.hello_timeout, max_clients=args.max_clients)
+        started = daemon.start()
+    except (paths.SchedulerDirError, OSError) as exc:
+        log.error("cannot serve: %s", exc)
         return 2
-    if not daemon.start():
+    if not started:
         log.info("another daemon already serves %s; exiting", daemon.directory)
         return 0
     gc.freeze()

@@ -8,7 +8,10 @@ Horovod's options come once, before the first job, and apply to every job; jobs 
 the environment; on every host the first worker starts the scheduler daemon. Output lines are
 prefixed with ``[jobN]``. At the end it writes a Chrome-trace timeline of all jobs and prints a
 summary (per-job step time split into compute / waiting for the device / waiting for communication,
-per-device busy fraction and overlap). See docs/scheduler.md.
+per-device busy fraction and overlap). With ``--telemetry-dir DIR`` every run gets its own new
+sub-directory ``DIR/run-<date>-<time>-<pid>`` (two runs sharing ``DIR`` never mix); ``DIR`` and its
+ancestors must belong to this user or root and not be writable by others unless sticky (as ``/tmp``),
+and the reports are never written through a symbolic link. See docs/scheduler.md.
 
 Exit status: 0 when every job succeeded; otherwise the first failed job's exit status (1 if it died
 from a signal); 2 for a bad command line; 130 after Ctrl-C (every job is stopped).
@@ -32,9 +35,9 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Sequence
 
-from crossover.scheduler import telemetry
+from crossover.scheduler import paths, telemetry
 
-__all__ = ["main", "build_parser", "Job", "plan_jobs"]
+__all__ = ["main", "build_parser", "Job", "plan_jobs", "new_run_dir"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PYTHON_RE = re.compile(r"^python[0-9.]*$")
@@ -118,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--align-ms", type=float, help="ms an idle device is held for the job due next (default 2)")
     x.add_argument("--device", help="device id for every rank (default: CUDA device, cpuN if pinned, else cpu)")
     x.add_argument("--sched-dir", help="scheduler directory on every host ({host}, {uid} are expanded)")
-    x.add_argument("--telemetry-dir", help="where ranks write telemetry (default: a new temporary folder)")
+    x.add_argument("--telemetry-dir", help="telemetry goes to a new sub-directory run-DATE-TIME-PID of this folder "
+                                          "(default: a new temporary folder)")
     x.add_argument("--timeline", help="write the merged Chrome trace here (default: TELEMETRY_DIR/timeline.json)")
     x.add_argument("--no-summary", action="store_true", help="do not print the telemetry summary")
     x.add_argument("--grace", type=float, default=10.0,
@@ -322,17 +326,47 @@ def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
     return None
 
 
+def new_run_dir(base: str) -> str:
+    """Create this run's own telemetry directory ``base/run-<date>-<time>-<pid>`` and return its path.
+
+    ``base`` is created if missing; it must be trusted (:func:`crossover.scheduler.paths.check_trusted`:
+    ours or root's, not writable by others unless sticky, the same for its ancestors), else
+    :class:`~crossover.scheduler.paths.SchedulerDirError`. The sub-directory is new (``mkdir`` fails on
+    anything that exists), so nothing of another run or user is in it.
+    """
+    base = os.path.abspath(base)
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError as exc:
+        raise paths.SchedulerDirError(f"cannot create the telemetry directory {base}: {exc}") from None
+    paths.check_trusted(base, "--telemetry-dir")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        run_dir = os.path.join(os.path.realpath(base), f"run-{stamp}-{os.getpid()}" + (f"-{n}" if n else ""))
+        try:
+            os.mkdir(run_dir, 0o755)
+            return run_dir
+        except FileExistsError:
+            continue
+    raise paths.SchedulerDirError(f"cannot create a new run directory in {base}")
+
+
+def _write_report(path: str, text: str) -> None:
+    """Write one report file: never through a symbolic link, never into another user's file."""
+    fd = paths.open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _report(args: argparse.Namespace, jobs: list[Job], telemetry_dir: str) -> None:
     streams = telemetry.load(telemetry_dir) if os.path.isdir(telemetry_dir) else []
     if not streams:
         sys.stdout.write(f"crossover-run: no telemetry in {telemetry_dir}\n")
         return
     timeline = args.timeline or os.path.join(telemetry_dir, "timeline.json")
-    with open(timeline, "w", encoding="utf-8") as f:
-        json.dump(telemetry.chrome_trace(streams), f)
+    _write_report(timeline, json.dumps(telemetry.chrome_trace(streams)))
     summary = telemetry.summarize(streams)
-    with open(os.path.join(telemetry_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
+    _write_report(os.path.join(telemetry_dir, "summary.json"), json.dumps(summary, indent=1))
     if not args.no_summary:
         sys.stdout.write("\n" + telemetry.format_summary(summary) + "\n")
     sys.stdout.write(f"crossover-run: timeline (Chrome trace) {timeline}\n")
@@ -346,8 +380,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     crossover = not args.no_crossover
     telemetry_dir = ""
     if crossover:
-        telemetry_dir = os.path.abspath(args.telemetry_dir) if args.telemetry_dir else (
-            tempfile.mkdtemp(prefix="crossover-run-") if not args.dry_run else "<temporary folder>")
+        if args.dry_run:
+            telemetry_dir = (os.path.join(os.path.abspath(args.telemetry_dir), "run-DATE-TIME-PID")
+                             if args.telemetry_dir else "<temporary folder>")
+        elif args.telemetry_dir:
+            try:
+                telemetry_dir = new_run_dir(args.telemetry_dir)
+            except paths.SchedulerDirError as exc:
+                parser.error(str(exc))
+        else:
+            telemetry_dir = tempfile.mkdtemp(prefix="crossover-run-")
         for j in jobs:
             j.env["CROSSOVER_TELEMETRY_DIR"] = telemetry_dir
     if args.dry_run:
@@ -356,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(f"{j.name}: {env} {shlex.join(j.argv)}\n")
         return 0
     if crossover:
-        os.makedirs(telemetry_dir, exist_ok=True)
+        sys.stdout.write(f"crossover-run: telemetry in {telemetry_dir}\n")
+        sys.stdout.flush()
     # Explicit handlers: a process started in the background by a non-interactive shell inherits SIGINT
     # ignored, and Python then never raises KeyboardInterrupt; `kill -INT` must still stop every job.
     old = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -371,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if crossover:
         try:
             _report(args, jobs, telemetry_dir)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, paths.SchedulerDirError) as exc:
             sys.stdout.write(f"crossover-run: could not summarize telemetry: {exc}\n")
     codes = {j.name: j.returncode for j in jobs}
     failed = [c for c in codes.values() if c]

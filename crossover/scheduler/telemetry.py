@@ -1,6 +1,8 @@
 """Telemetry of crossover turns: per-worker JSON-lines files, a merged Chrome trace, a summary.
 
-Each worker (:class:`Recorder`) appends to ``<dir>/<job>.<member>.<pid>.jsonl``:
+Each worker (:class:`Recorder`) writes a new file ``<dir>/<job>.<member>.<pid>.jsonl`` (created with
+``O_EXCL | O_NOFOLLOW``: never an existing file, never through a symbolic link; ``.<n>`` is added to the
+name if that one exists):
 
 * one ``{"type": "meta", "job", "member", "host", "dev", "pid"}`` line first;
 * ``{"type": "span", "name", "t0", "t1"}`` for every interval, ``name`` one of ``compute`` (the worker
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import re
+import stat
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -47,9 +50,19 @@ class Recorder:
 
     def __init__(self, directory: str, job: str, member: str, host: str, dev: str) -> None:
         os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, f"{_safe(job)}.{_safe(member)}.{os.getpid()}.jsonl")
+        base = os.path.join(directory, f"{_safe(job)}.{_safe(member)}.{os.getpid()}")
         self._pid = os.getpid()
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd: int | None = None
+        for n in range(100):  # a new file of our own: never one that exists (planted, or an earlier session's)
+            self.path = f"{base}.{n}.jsonl" if n else f"{base}.jsonl"
+            try:
+                self._fd = os.open(self.path, flags, 0o644)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"telemetry: {base}.jsonl and 99 others exist")
         self._lines: list[str] = []
         self._write({"type": "meta", "job": job, "member": member, "host": host, "dev": dev, "pid": os.getpid()})
 
@@ -109,14 +122,29 @@ class Stream:
         return f"{self.host}/{self.dev}"
 
 
+def _open_plain(path: str, flags: int) -> int:
+    """Open a regular file, never through a symbolic link or on a FIFO (raises OSError otherwise)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
+
+
 def load(directory: str) -> list[Stream]:
-    """Read every ``*.jsonl`` telemetry file in ``directory`` (ignores torn last lines)."""
+    """Read every ``*.jsonl`` telemetry file in ``directory`` (ignores torn last lines; skips, with a
+    warning, what is not a regular file: a symbolic link is never followed)."""
     streams = []
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".jsonl"):
             continue
         stream: Stream | None = None
-        with open(os.path.join(directory, name), encoding="utf-8") as f:
+        try:
+            fd = _open_plain(os.path.join(directory, name), os.O_RDONLY)
+        except OSError as exc:
+            log.warning("telemetry: skipping %s: %s", os.path.join(directory, name), exc)
+            continue
+        with open(fd, encoding="utf-8") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
