@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks import registry
+from crossover import procgroup
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -322,8 +322,8 @@ def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Pat
     with open(log, "w") as f:
         f.write("$ " + " ".join(argv) + "\n")
         f.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if verbose else f, stderr=subprocess.STDOUT,
-                                env=env, cwd=str(REPO), start_new_session=True, text=True)
+        proc = procgroup.start(argv, stdout=subprocess.PIPE if verbose else f, stderr=subprocess.STDOUT,
+                               env=env, cwd=str(REPO), text=True)
         deadline = time.monotonic() + timeout
         try:
             if verbose:
@@ -338,16 +338,8 @@ def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Pat
             f.write(f"\n*** killed after {timeout:.0f} s (--timeout)\n")
             return 124
         finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=5)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if proc.poll() is None:  # timeout, Ctrl-C or an error: stop horovodrun and its ranks
+                procgroup.terminate(proc, grace=5.0)
 
 
 def _run_netem(cluster: Any, np_per_host: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
