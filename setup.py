@@ -19,7 +19,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "scikit-learn"],
     },
     entry_points={"console_scripts": [
-        "crossover-netem=crossover.netem:main",
+        "crossover-netem=benchmarks.netem.cli:main",
         "crossover-run=crossover.scheduler.run:main",
         "crossover-bench=benchmarks.cli:main",
     ]},

@@ -3,7 +3,7 @@
     python benchmarks/bench_crossover.py                      # about 5 minutes; needs root (netem)
     python benchmarks/bench_crossover.py --params 4000000 --batch 1024 --steps 20 --rate auto
 
-Set-up: ``crossover.netem.EmulatedCluster`` with 2 hosts joined by full-duplex links; each job's rank i
+Set-up: ``benchmarks.netem.EmulatedCluster`` with 2 hosts joined by full-duplex links; each job's rank i
 runs on host i, and each emulated host's "device" is one CPU core: every rank on host i pins itself to
 core i (``os.sched_setaffinity``), so job A's and job B's rank i share core i. The model is an MLP of
 ``--params`` parameters trained on synthetic data; the link rate is chosen (``--rate auto``) so that
@@ -212,7 +212,7 @@ def _round_trip_here(cycles: int, pin: bool) -> dict[str, float]:
 def run_jobs(cluster: Any, args: argparse.Namespace, jobs: list[str], crossover: bool, workdir: Path,
              t0: float) -> dict[str, dict[str, Any]]:
     """Run the named jobs at the same time on ``cluster``; return each job's rank-0 result."""
-    from crossover import netem
+    from benchmarks import netem
 
     out: dict[str, dict[str, Any]] = {}
     errors: list[str] = []
@@ -291,7 +291,7 @@ def main() -> int:
 
     import subprocess
 
-    from crossover import netem
+    from benchmarks import netem
 
     reason = netem.netem_unavailable_reason()
     if reason:

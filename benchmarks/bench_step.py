@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_step --methods dense,fp16,topk:100,adaptive --rate 1gbit --hosts 2
 
-With --rate the ranks run on emulated hosts joined by links of that rate (crossover.netem, needs
+With --rate the ranks run on emulated hosts joined by links of that rate (benchmarks.netem, needs
 root); without it they run on plain loopback via horovodrun. Every method trains the same model
 (an MLP of --params parameters, synthetic data) in the same processes, interleaved round by round so
 drift affects all alike; the table gives median step times and ratios to dense.
@@ -121,7 +121,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     print("command:", " ".join(sys.argv), flush=True)
     if args.rate:
-        from crossover.netem import EmulatedCluster, launch_horovod
+        from benchmarks.netem import EmulatedCluster, launch_horovod
 
         with EmulatedCluster(hosts=args.np, rate=args.rate, delay=args.delay) as cluster:
             procs = launch_horovod(cluster, 1, cmd, env=env, timeout=3600)

@@ -5,7 +5,7 @@
     crossover-bench --model resnet18 --width 0.25 --dataset cifar10 --data synthetic --compression topk:100 \\
         --hosts 2 --bandwidth 100mbit --epochs 2 --steps-per-epoch 50 --out results/bench/r18-topk
 
-With --bandwidth the ranks run on an emulated cluster (crossover.netem: one network namespace per host,
+With --bandwidth the ranks run on an emulated cluster (benchmarks.netem: one network namespace per host,
 full-duplex links of that rate; needs root); without it on plain ``horovodrun -np N -H localhost:N --gloo``.
 --crossover runs two copies of the job at once under the crossover scheduler and adds the scheduler's
 timeline. Results go to --out: results.json (config, per-step and per-epoch records, summary), steps.csv,
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks import registry
+from crossover import procgroup
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,7 +202,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.delay is not None and not a.bandwidth:
         p.error("--delay needs --bandwidth (the delay is added on the emulated links)")
     if a.bandwidth:
-        from crossover import netem
+        from benchmarks import netem
 
         try:
             netem.parse_rate(a.bandwidth)
@@ -212,7 +212,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error("--bandwidth emulates links between hosts: use --hosts 2 or more")
         reason = netem.netem_unavailable_reason()
         if reason:
-            p.error(f"--bandwidth needs the emulated network (crossover.netem), which is unavailable here: {reason}")
+            p.error(f"--bandwidth needs the emulated network (benchmarks.netem), which is unavailable here: {reason}")
         if a.delay is not None:
             try:
                 netem.parse_time(a.delay)
@@ -322,8 +322,8 @@ def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Pat
     with open(log, "w") as f:
         f.write("$ " + " ".join(argv) + "\n")
         f.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if verbose else f, stderr=subprocess.STDOUT,
-                                env=env, cwd=str(REPO), start_new_session=True, text=True)
+        proc = procgroup.start(argv, stdout=subprocess.PIPE if verbose else f, stderr=subprocess.STDOUT,
+                               env=env, cwd=str(REPO), text=True)
         deadline = time.monotonic() + timeout
         try:
             if verbose:
@@ -338,22 +338,14 @@ def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Pat
             f.write(f"\n*** killed after {timeout:.0f} s (--timeout)\n")
             return 124
         finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=5)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if proc.poll() is None:  # timeout, Ctrl-C or an error: stop horovodrun and its ranks
+                procgroup.terminate(proc, grace=5.0)
 
 
 def _run_netem(cluster: Any, np_per_host: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
                verbose: bool) -> int:
     """Run ``cmd`` with ``np_per_host`` ranks on each emulated host; every rank's output goes to ``log``."""
-    from crossover import netem
+    from benchmarks import netem
 
     try:
         res = netem.launch_horovod(cluster, np_per_host, cmd, env=env, timeout=timeout, echo=verbose)
@@ -377,7 +369,7 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
     results: dict[str, int] = {}
     cluster: Any = None
     if a.bandwidth:
-        from crossover import netem
+        from benchmarks import netem
 
         cluster = netem.EmulatedCluster(a.hosts, a.bandwidth, a.delay)
     try:

@@ -322,7 +322,7 @@ def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: li
         f"- machine: {info['cores']} cores, Linux {info['kernel']}, Python {info['python']}, torch {info['torch']}, "
         f"Horovod {info['horovod']}; load average {info['load']:.2f} at the start (a shared machine: other "
         "processes lower and scatter the figures)",
-        "- emulated network: `crossover.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
+        "- emulated network: `benchmarks.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
         "this kernel lacks `sch_netem`)",
         "- analysis of earlier runs (why fp16 loses to dense on Gloo/CPU, why GraVAC's epsilon 0.9 stays dense "
         "on these models): [docs/benchmark-history.md](docs/benchmark-history.md)",
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out)
         out.mkdir(parents=True)
         (out / "logs").mkdir()
-        from crossover import netem
+        from benchmarks import netem
 
         reason = netem.netem_unavailable_reason()
         info = machine()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from crossover import procgroup
 
 RESULT_DIR_ENV = "CROSSOVER_RESULT_DIR"
 WORKER = Path(__file__).with_name("hvd_worker.py")
@@ -49,20 +50,15 @@ def _run(cmd: Sequence[str], np: int, timeout: float, env: dict[str, str] | None
         [str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     full_env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores: no oversubscription
     launch = [horovodrun_bin(), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *cmd]
-    proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=str(REPO), start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        res = procgroup.run(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=str(REPO), timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
         raise HorovodJobError(f"Horovod job hung: killed after {timeout:.0f} s.\n"
-                              f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}") from exc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    if proc.returncode != 0:
-        raise HorovodJobError(f"Horovod job failed with exit code {proc.returncode}.\n"
+                              f"command: {' '.join(launch)}\n--- output of all ranks ---\n{exc.output or ''}") from exc
+    output = res.stdout
+    if res.returncode != 0:
+        raise HorovodJobError(f"Horovod job failed with exit code {res.returncode}.\n"
                               f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}")
     results = []
     for rank in range(np):

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import cli, report, sample_data
-from crossover import netem
+from benchmarks import cli, netem, report, sample_data
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"

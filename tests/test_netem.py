@@ -1,4 +1,4 @@
-"""Tests of crossover.netem: shaped namespaces, an emulated cluster, and Horovod over it.
+"""Tests of benchmarks.netem: shaped namespaces, an emulated cluster, and Horovod over it.
 
 The checks that build namespaces need root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and skip with
 `netem_unavailable_reason()` otherwise. Rates are checked with real TCP streams; total runtime is
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from crossover import netem
+from benchmarks import netem
 
 REPO = Path(__file__).resolve().parent.parent
 RATE = "200mbit"
@@ -79,7 +79,7 @@ def test_unavailable_reason_is_none_or_text() -> None:
 
 
 def test_cli_help() -> None:
-    res = subprocess.run([sys.executable, "-m", "crossover.netem", "--help"], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "benchmarks.netem", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     for flag in ("--rate", "--delay", "--hosts", "--procs-per-host", "--measure"):
@@ -91,7 +91,7 @@ def test_cli_help() -> None:
 
 @pytest.mark.netem
 def test_run_shaped_tcp_rate(need_netem: None) -> None:
-    code = ("from crossover.netem import measure_tcp_throughput as m; "
+    code = ("from benchmarks.netem import measure_tcp_throughput as m; "
             "print(m([([], [], '127.0.0.1')], seconds=2.0)[0])")
     res = netem.run_shaped([sys.executable, "-c", code], rate=RATE, timeout=60,
                            capture_output=True, text=True, cwd=REPO)
@@ -132,7 +132,7 @@ def test_run_shaped_timeout_kills_group_and_cleans_up(need_netem: None) -> None:
 def test_keyboard_interrupt_cleans_up(need_netem: None) -> None:
     # SIGINT may be ignored when inherited from a non-interactive parent (CI): restore Python's handler
     code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "from crossover.netem import run_shaped\n"
+            "from benchmarks.netem import run_shaped\n"
             "try:\n    run_shaped(['sleep', '60'])\nexcept KeyboardInterrupt:\n    raise SystemExit(130)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     try:
@@ -321,7 +321,7 @@ def test_launch_horovod_timeout_and_failure(need_netem: None) -> None:
 
 @pytest.mark.netem
 def test_cli_runs_command_in_shaped_namespace(need_netem: None) -> None:
-    res = subprocess.run([sys.executable, "-m", "crossover.netem", "--rate", RATE, "--",
+    res = subprocess.run([sys.executable, "-m", "benchmarks.netem", "--rate", RATE, "--",
                           "sh", "-c", "ip -o link show lo | grep -q tbf && exit 7"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 7, res.stderr
