@@ -20,7 +20,6 @@ from a signal); 2 for a bad command line; 130 after Ctrl-C (every job is stopped
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Sequence
 
+from crossover import procgroup
 from crossover.scheduler import paths, telemetry
 
 __all__ = ["main", "build_parser", "Job", "plan_jobs", "new_run_dir"]
@@ -246,22 +246,8 @@ def _pump(job: Job, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> No
 
 
 def _stop(jobs: list[Job], grace: float) -> None:
-    """SIGTERM every running job's horovodrun (it stops its ranks), SIGKILL what is left after ``grace``."""
-    running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
-    for j in running:
-        assert j.proc is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(j.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for j in running:
-        assert j.proc is not None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            j.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for j in running:
-        assert j.proc is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(j.proc.pid, signal.SIGKILL)
-        j.proc.wait()
+    """SIGTERM every running job's horovodrun group (it stops its ranks), SIGKILL what is left after ``grace``."""
+    procgroup.terminate_all([j.proc for j in jobs if j.proc is not None and j.proc.poll() is None], grace)
 
 
 class _Terminated(Exception):
@@ -285,8 +271,8 @@ def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
             env = dict(os.environ)
             env.update(j.env)
             j.started = time.monotonic()
-            j.proc = subprocess.Popen(j.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+            j.proc = procgroup.start(j.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
             assert j.proc.stdout is not None
             t = threading.Thread(target=_pump, args=(j, j.proc.stdout, sys.stdout, lock), daemon=True)
             t.start()
