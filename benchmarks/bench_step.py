@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_compression(method: str, window: int):
     """Compression object for a method name: dense, fp16, hvd-fp16, topk:CF, randomk:CF, dgc:CF,
-    redsync:CF, adaptive, adaptive:EPSILON, adaptive-off."""
+    redsync:CF, adaptive (defaults), adaptive:EPSILON, adaptive-off."""
     import horovod.torch as hvd
 
     from crossover import AdaptiveCompression, FP16Compression, StaticCompression
@@ -35,9 +35,10 @@ def make_compression(method: str, window: int):
         return hvd.Compression.fp16
     if method == "fp16":
         return FP16Compression()
-    if method == "adaptive" or method.startswith("adaptive:"):  # adaptive:EPSILON overrides epsilon
-        eps = float(method.partition(":")[2] or 0.9)
-        return AdaptiveCompression(window=window, epsilon=eps)
+    if method == "adaptive":  # exactly as a user writes it: the defaults
+        return AdaptiveCompression()
+    if method.startswith("adaptive:"):  # adaptive:EPSILON overrides epsilon (and the window), for the record
+        return AdaptiveCompression(window=window, epsilon=float(method.partition(":")[2]))
     if method == "adaptive-off":
         return AdaptiveCompression(enabled=False)
     name, _, cf = method.partition(":")

@@ -80,12 +80,6 @@ def _compression(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _window(text: str) -> str:
-    if text == "auto":
-        return text
-    return str(_positive_int(text))
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The crossover-bench argument parser."""
     p = argparse.ArgumentParser(prog="crossover-bench", description=__doc__.splitlines()[0],
@@ -139,16 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp16 = Horovod's hvd.Compression.fp16)")
     c.add_argument("--label", default=None,
                    help="name of this run in reports and comparisons (default: the --compression spec)")
-    c.add_argument("--gravac-epsilon", type=_positive_float, default=0.9,
-                   help="GraVAC: minimum compression gain to accept a CF (default 0.9, the paper's)")
-    c.add_argument("--gravac-window", type=_window, default="auto",
-                   help="GraVAC: steps per exploration window (default auto: run steps / 20, in 5..500)")
-    c.add_argument("--gravac-cf-min", type=_positive_float, default=10.0, help="GraVAC: lowest CF (default 10)")
-    c.add_argument("--gravac-cf-max", type=_positive_float, default=1000.0, help="GraVAC: highest CF (default 1000)")
+    c.add_argument("--gravac-epsilon", type=_positive_float, default=None,
+                   help="GraVAC: minimum compression gain to accept a CF (default: AdaptiveCompression's)")
+    c.add_argument("--gravac-window", type=_positive_int, default=None,
+                   help="GraVAC: steps per exploration window (default: AdaptiveCompression's)")
+    c.add_argument("--gravac-cf-min", type=_positive_float, default=None,
+                   help="GraVAC: lowest CF (default: AdaptiveCompression's)")
+    c.add_argument("--gravac-cf-max", type=_positive_float, default=None,
+                   help="GraVAC: highest CF (default: AdaptiveCompression's)")
     c.add_argument("--gravac-compressor", choices=registry.STATIC_KINDS, default="topk",
                    help="GraVAC: compressor it drives (default topk)")
-    c.add_argument("--min-compress-numel", type=_positive_int, default=16384,
-                   help="tensors smaller than this go dense (default 16384)")
+    c.add_argument("--min-compress-numel", type=_positive_int, default=None,
+                   help="tensors smaller than this go dense (default: the compression object's, 16384)")
     n = p.add_argument_group("cluster")
     n.add_argument("--hosts", type=_positive_int, default=2, help="hosts (emulated with --bandwidth; default 2)")
     n.add_argument("--np", type=_positive_int, default=1, help="ranks per host (default 1)")
@@ -229,8 +225,10 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--clip must be >= 0 (0 = off)")
     if a.synthetic_noise < 0:
         p.error("--synthetic-noise must be >= 0")
-    if a.gravac_cf_max < a.gravac_cf_min or a.gravac_cf_min <= 1:
-        p.error("GraVAC needs 1 < --gravac-cf-min <= --gravac-cf-max")
+    if a.gravac_cf_min is not None and a.gravac_cf_min <= 1:
+        p.error("GraVAC needs --gravac-cf-min > 1")
+    if a.gravac_cf_min is not None and a.gravac_cf_max is not None and a.gravac_cf_max < a.gravac_cf_min:
+        p.error("GraVAC needs --gravac-cf-min <= --gravac-cf-max")
     if not shutil.which("horovodrun", path=str(Path(sys.executable).parent)) and not shutil.which("horovodrun") \
             and not a.bandwidth:
         p.error("horovodrun not found next to this Python or on PATH: run `make setup` first")

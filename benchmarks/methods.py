@@ -19,15 +19,19 @@ __all__ = ["CompressionOptions", "make_compression", "ByteCounter"]
 
 @dataclass
 class CompressionOptions:
-    """Knobs of the adaptive methods and the static compressors (the CLI's --gravac-*, --min-compress-numel)."""
+    """Knobs of the adaptive methods and the static compressors (the CLI's --gravac-*, --min-compress-numel).
+
+    None means "the library's default": a benchmark of `gravac` is `AdaptiveCompression()` as a user
+    writes it unless a setting is given explicitly.
+    """
 
     total_steps: int = 1
-    gravac_epsilon: float = 0.9
-    gravac_window: int = 500
-    gravac_cf_min: float = 10.0
-    gravac_cf_max: float = 1000.0
+    gravac_epsilon: float | None = None
+    gravac_window: int | None = None
+    gravac_cf_min: float | None = None
+    gravac_cf_max: float | None = None
     gravac_compressor: str = "topk"
-    min_compress_numel: int = 16384
+    min_compress_numel: int | None = None
     error_feedback: bool = True
     seed: int = 0
 
@@ -42,18 +46,22 @@ def make_compression(method: Method, opts: CompressionOptions) -> Any:
         return hvd.Compression.none
     if method.kind == "fp16":
         return hvd.Compression.fp16
+    common = _given(min_compress_numel=opts.min_compress_numel, seed=opts.seed)
     if method.kind == "gravac":
-        return AdaptiveCompression(opts.gravac_compressor, cf_min=opts.gravac_cf_min, cf_max=opts.gravac_cf_max,
-                                   epsilon=opts.gravac_epsilon, window=opts.gravac_window,
-                                   error_feedback=opts.error_feedback, min_compress_numel=opts.min_compress_numel,
-                                   seed=opts.seed)
+        return AdaptiveCompression(opts.gravac_compressor, error_feedback=opts.error_feedback, **common,
+                                   **_given(cf_min=opts.gravac_cf_min, cf_max=opts.gravac_cf_max,
+                                            epsilon=opts.gravac_epsilon, window=opts.gravac_window))
     if method.kind == "dqsgd":
-        return AdaptiveCompression(policy="dqsgd", total_steps=max(1, opts.total_steps),
-                                   min_compress_numel=opts.min_compress_numel, seed=opts.seed)
+        return AdaptiveCompression(policy="dqsgd", total_steps=max(1, opts.total_steps), **common)
     if method.kind == "qsgd":
-        return QSGDCompression(int(method.value or 8), min_compress_numel=opts.min_compress_numel, seed=opts.seed)
+        return QSGDCompression(int(method.value or 8), **common)
     return StaticCompression(method.kind, cf=float(method.value or 100.0), error_feedback=opts.error_feedback,
-                             min_compress_numel=opts.min_compress_numel, seed=opts.seed)
+                             **common)
+
+
+def _given(**settings: Any) -> dict[str, Any]:
+    """The settings the user gave (not None): the rest stay the library's defaults."""
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 class ByteCounter:

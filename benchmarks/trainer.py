@@ -133,13 +133,12 @@ def run(cfg: dict[str, Any]) -> None:
                         in_channels=None if text else data.shape[0])
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     method = parse_compression(cfg["compression"])
-    window = cfg.get("gravac_window", "auto")
-    window = max(5, min(500, total // 20)) if window == "auto" else int(window)
-    opts = CompressionOptions(total_steps=total, gravac_epsilon=float(cfg["gravac_epsilon"]),
-                              gravac_window=window, gravac_cf_min=float(cfg["gravac_cf_min"]),
-                              gravac_cf_max=float(cfg["gravac_cf_max"]),
+    window = cfg.get("gravac_window")
+    opts = CompressionOptions(total_steps=total, gravac_epsilon=cfg.get("gravac_epsilon"),
+                              gravac_window=None if window is None else int(window),
+                              gravac_cf_min=cfg.get("gravac_cf_min"), gravac_cf_max=cfg.get("gravac_cf_max"),
                               gravac_compressor=cfg.get("gravac_compressor", "topk"),
-                              min_compress_numel=int(cfg["min_compress_numel"]), seed=seed)
+                              min_compress_numel=cfg.get("min_compress_numel"), seed=seed)
     compression = make_compression(method, opts)
     _gate()  # with --crossover: both jobs start training together (before the optimizer takes the device)
     base_lr = float(cfg["lr"])

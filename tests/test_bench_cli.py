@@ -221,3 +221,29 @@ def test_compare_gives_time_to_the_dense_accuracy(tmp_path: Path) -> None:
     for name in ("throughput_by_method.png", "accuracy_vs_time.png", "cf_bits.png"):
         assert (tmp_path / "cmp" / name).read_bytes()[:8] == PNG
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
+
+
+def test_compare_names_the_oracle_static_and_the_spread_of_repeats(tmp_path: Path) -> None:
+    paths = [fake_run(tmp_path / "none", "none", 1.0, [0.5, 0.7, 0.8], 4000),
+             fake_run(tmp_path / "fp16", "fp16", 0.8, [0.5, 0.7, 0.8], 2000),
+             fake_run(tmp_path / "topk100", "topk:100", 0.3, [0.5, 0.795, 0.8], 40),  # 0.795: within 1 point
+             fake_run(tmp_path / "g1", "gravac@1", 0.25, [0.6, 0.8, 0.81], 40),
+             fake_run(tmp_path / "g2", "gravac@2", 0.5, [0.6, 0.8, 0.81], 40)]
+    for p, label in zip(paths, ("none", "fp16", "topk:100", "gravac@1", "gravac@2")):
+        res = json.loads(p.read_text())
+        res["config"]["label"] = label
+        res["summary"]["method"] = label
+        p.write_text(json.dumps(res))
+    res = report.compare(paths, tmp_path / "cmp")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"none", "fp16", "topk:100", "gravac"}
+    assert rows["gravac"]["repeats"] == 2
+    assert rows["none"]["dense_target"] == pytest.approx(0.79)
+    assert rows["topk:100"]["time_to_dense_final_s"] == pytest.approx(6.0)
+    assert rows["gravac"]["oracle_static"] == "topk:100"
+    # gravac's two repeats reach the target at 5 s and 10 s: median 7.5 s, 1.25x the oracle's time
+    assert rows["gravac"]["time_to_dense_final_s"] == pytest.approx(7.5)
+    assert (rows["gravac"]["time_to_target_min_s"], rows["gravac"]["time_to_target_max_s"]) == (5.0, 10.0)
+    assert rows["gravac"]["time_vs_oracle"] == pytest.approx(7.5 / 6.0)
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "oracle static" in md and "(5.0-10.0, 2/2)" in md
