@@ -143,3 +143,89 @@ def tf_hook_context(compression: Any, depth: int = 2) -> tuple[bool, Any]:
                 op, found_op = loc["op"], True
         frame = frame.f_back
     return in_cond, op
+
+
+# ---------------------------------------------------------------------------------------------
+# horovod.torch patches of the crossover scheduler (policy: horovod_ext/scheduling.py)
+# ---------------------------------------------------------------------------------------------
+#: modules that bind `synchronize` from horovod.torch.mpi_ops at import (0.28.1)
+TORCH_SYNC_MODULES = ("horovod.torch.mpi_ops", "horovod.torch", "horovod.torch.functions", "horovod.torch.optimizer",
+                      "horovod.torch.sync_batch_norm")
+
+
+class TorchPatch:
+    """Replaces horovod.torch's `synchronize` (wherever it was bound) and `_DistributedOptimizer.__init__` /
+    `.synchronize`; `orig` keeps Horovod's own (`sync`, `poll`, `init`, `opt_sync`) for the replacements."""
+
+    def __init__(self) -> None:
+        self.orig: dict[str, Any] = {}
+        self._modules: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.orig)
+
+    def apply(self, *, synchronize: Any, optimizer_init: Any, optimizer_synchronize: Any, feature: str) -> bool:
+        """Install the replacements (idempotent); False, after one warning, on an unknown Horovod."""
+        if self.orig:
+            return True
+        if not check_version(feature):
+            return False
+        import horovod.torch  # noqa: F401 - imports every module patched below
+        import horovod.torch.mpi_ops as mpi_ops
+        import horovod.torch.optimizer as optimizer
+
+        cls = optimizer._DistributedOptimizer
+        self.orig.update(sync=mpi_ops.synchronize, poll=mpi_ops.poll, init=cls.__init__, opt_sync=cls.synchronize)
+        for name in TORCH_SYNC_MODULES:
+            mod = sys.modules.get(name)
+            if mod is not None and getattr(mod, "synchronize", None) is self.orig["sync"]:
+                mod.synchronize = synchronize
+                self._modules.append(mod)
+        # DistributedOptimizer() copies _DistributedOptimizer.__dict__ into a new class at every call,
+        # so optimizers built from now on get these methods.
+        cls.__init__ = optimizer_init
+        cls.synchronize = optimizer_synchronize
+        return True
+
+    def undo(self) -> None:
+        """Put Horovod's functions back (optimizers built meanwhile keep the patched methods)."""
+        if not self.orig:
+            return
+        import horovod.torch.optimizer as optimizer
+
+        for mod in self._modules:
+            mod.synchronize = self.orig["sync"]
+        self._modules.clear()
+        optimizer._DistributedOptimizer.__init__ = self.orig["init"]
+        optimizer._DistributedOptimizer.synchronize = self.orig["opt_sync"]
+        self.orig.clear()
+
+
+def torch_handle_pending(handle: Any) -> bool:
+    """Whether `handle` is a horovod.torch collective still known to Horovod (not yet synchronized)."""
+    mpi_ops = sys.modules.get("horovod.torch.mpi_ops")
+    return mpi_ops is not None and handle in mpi_ops._handle_map
+
+
+def torch_submit_missing(opt: Any) -> None:
+    """What horovod.torch 0.28.1's `synchronize()` does first: allreduce what backward did not."""
+    completed: set[Any] = set()
+    for key in opt._handles:
+        if isinstance(key, tuple):
+            completed.update(key)
+        else:
+            completed.add(key)
+    for p in opt._requires_update - completed:
+        opt._handles[p] = opt._allreduce_grad_async(p)
+    for p, (handle, _ctx) in list(opt._handles.items()):
+        if handle is None:
+            opt._handles[p] = opt._allreduce_grad_async(p)
+
+
+def torch_replace_handles(opt: Any, replace: Any) -> None:
+    """`opt._handles[key] = (replace(handle), ctx)` for every handle `replace` accepts (returns non-None)."""
+    for key, (handle, ctx) in list(opt._handles.items()):
+        new = replace(handle)
+        if new is not None:
+            opt._handles[key] = (new, ctx)

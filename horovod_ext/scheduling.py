@@ -47,7 +47,7 @@ from crossover.scheduler import paths
 from crossover.scheduler.client import SchedulerClient
 from crossover.scheduler.telemetry import Recorder
 from crossover.scheduler.turns import DeviceTurns, cpu_device
-from horovod_ext._internals import check_version
+from horovod_ext._internals import TorchPatch, torch_handle_pending, torch_replace_handles, torch_submit_missing
 
 __all__ = ["install", "enabled_by_env", "enable", "disable", "session", "crossover_turn", "communicating",
            "patch_horovod_torch", "unpatch_horovod_torch", "resolve_device"]
@@ -56,13 +56,11 @@ log = logging.getLogger(__name__)
 
 ENV_ENABLE = "CROSSOVER_SCHED"
 _TRUE = ("1", "on", "true", "yes")
-_HVD_MODULES = ("horovod.torch.mpi_ops", "horovod.torch", "horovod.torch.functions", "horovod.torch.optimizer",
-                "horovod.torch.sync_batch_norm")
 
 _session: DeviceTurns | None = None
 _session_lock = threading.Lock()
-_orig: dict[str, Any] = {}
-_patched_modules: list[Any] = []
+_patch = TorchPatch()  # Horovod's internals are touched in horovod_ext/_internals.py only
+_orig = _patch.orig  # Horovod's own synchronize / poll / optimizer __init__ / synchronize
 
 
 def enabled_by_env() -> bool:
@@ -209,8 +207,7 @@ def _wait_quietly(handle: Any) -> Any:
     wait); a worker that has given its device (a CPU core) to another job must not burn it meanwhile.
     The sleep grows from 50 us to ``CROSSOVER_POLL_MS`` (0.5 ms): at most that much added latency.
     """
-    mpi_ops = sys.modules["horovod.torch.mpi_ops"]
-    if handle in mpi_ops._handle_map:
+    if torch_handle_pending(handle):
         poll = _orig["poll"]
         delay, top = 5e-5, _poll_max_s()
         while not poll(handle):
@@ -248,26 +245,10 @@ def _synchronize_handle(handle: Any) -> Any:
         return _orig["sync"](handle)
     if not s.held:
         return _wait_quietly(handle)  # e.g. a custom loop waiting between two crossover_turn() blocks
-    mpi_ops = sys.modules["horovod.torch.mpi_ops"]
-    if handle not in mpi_ops._handle_map or _wait_briefly(handle, s.hold_grace_s):
+    if not torch_handle_pending(handle) or _wait_briefly(handle, s.hold_grace_s):
         return _orig["sync"](handle)
     with s.communicating():
         return _wait_quietly(handle)
-
-
-def _submit_missing(opt: Any) -> None:
-    """What horovod.torch 0.28.1's ``synchronize()`` does first: allreduce what backward did not."""
-    completed: set[Any] = set()
-    for key in opt._handles:
-        if isinstance(key, tuple):
-            completed.update(key)
-        else:
-            completed.add(key)
-    for p in opt._requires_update - completed:
-        opt._handles[p] = opt._allreduce_grad_async(p)
-    for p, (handle, _ctx) in list(opt._handles.items()):
-        if handle is None:
-            opt._handles[p] = opt._allreduce_grad_async(p)
 
 
 def _optimizer_init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -281,50 +262,26 @@ def _optimizer_synchronize(self: Any) -> None:
     s = session()
     if s is None or not self.process_set.included():
         return _orig["opt_sync"](self)
-    _submit_missing(self)  # compute (compression) on the device, before giving it away
+    torch_submit_missing(self)  # compute (compression) on the device, before giving it away
     with s.communicating(new_step=True):
-        for key, (handle, ctx) in list(self._handles.items()):
-            if handle is not None and not callable(handle) and not isinstance(handle, _Done):
-                self._handles[key] = (_Done(_wait_quietly(handle)), ctx)
+        torch_replace_handles(self, lambda h: None if h is None or callable(h) or isinstance(h, _Done)
+                              else _Done(_wait_quietly(h)))
     return _orig["opt_sync"](self)
 
 
 def patch_horovod_torch() -> None:
     """Patch horovod.torch (imports it) so that the stock DistributedOptimizer takes turns. Idempotent."""
-    if _orig:
+    if _patch.active:
         return
-    if not check_version("crossover scheduling (jobs run uncoordinated)"):
-        return
-    import horovod.torch  # noqa: F401 - imports every module patched below
-    import horovod.torch.mpi_ops as mpi_ops
-    import horovod.torch.optimizer as optimizer
-
-    cls = optimizer._DistributedOptimizer
-    _orig.update(sync=mpi_ops.synchronize, poll=mpi_ops.poll, init=cls.__init__, opt_sync=cls.synchronize)
-    for name in _HVD_MODULES:
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "synchronize", None) is _orig["sync"]:
-            mod.synchronize = _synchronize_handle
-            _patched_modules.append(mod)
-    # DistributedOptimizer() copies _DistributedOptimizer.__dict__ into a new class at every call,
-    # so optimizers built from now on get these methods.
-    cls.__init__ = _optimizer_init
-    cls.synchronize = _optimizer_synchronize
-    log.info("crossover: horovod.torch patched (DistributedOptimizer takes turns on the device)")
+    if _patch.apply(synchronize=_synchronize_handle, optimizer_init=_optimizer_init,
+                    optimizer_synchronize=_optimizer_synchronize,
+                    feature="crossover scheduling (jobs run uncoordinated)"):
+        log.info("crossover: horovod.torch patched (DistributedOptimizer takes turns on the device)")
 
 
 def unpatch_horovod_torch() -> None:
     """Undo :func:`patch_horovod_torch` (optimizers built meanwhile keep the patched methods)."""
-    if not _orig:
-        return
-    import horovod.torch.optimizer as optimizer
-
-    for mod in _patched_modules:
-        mod.synchronize = _orig["sync"]
-    _patched_modules.clear()
-    optimizer._DistributedOptimizer.__init__ = _orig["init"]
-    optimizer._DistributedOptimizer.synchronize = _orig["opt_sync"]
-    _orig.clear()
+    _patch.undo()
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
