@@ -357,7 +357,8 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
         if tgt is not None:
             lines.append(f"target: the dense fp32 run's final {m} ({_fmt(grp[0]['dense_final'], '.4g')}) within "
                          f"{'1 point' if m != 'perplexity' else '1%'} = {_fmt(tgt, '.4g')}; oracle static (fastest "
-                         f"of dense, fp16, static top-k to the target): {oracle or 'none reached it'}\n")
+                         f"of dense, fp16, static top-k to the target): "
+                         f"{'dense fp32 (none)' if oracle == 'none' else oracle or 'none reached it'}\n")
         else:
             lines.append("target: none (no dense fp32 run, `--compression none`, in this group)\n")
         lines.append(f"| method | runs | step ms | step speed-up | bytes dense/sent | final {m} | vs dense | "

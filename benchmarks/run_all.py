@@ -64,20 +64,20 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 "1gbit", digits_len, 5, repeats=1 if quick else 2),
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
                 "a core)", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5),
-        TtaTask("tta-lstm", "2-layer LSTM language model (quarter width), synthetic PTB-shaped text, 2 emulated "
-                "hosts at 1 Gbit/s", ("--model", "lstm", "--dataset", "ptb", "--width", "0.25", *synth,
-                                      "--eval-samples", "4096"), 2, "1gbit",
-                short or ("--epochs", "1", "--max-steps", "150"), 10),
-        TtaTask("tta-vgg16", "VGG-16 (ImageNet head, 32x32 inputs, quarter width), synthetic images, 2 emulated "
-                "hosts at 1 Gbit/s", ("--model", "vgg16", "--dataset", "imagenet", "--image-size", "32", "--width",
-                                      "0.25", "--num-classes", "10", "--batch-size", "32", *synth,
-                                      "--eval-samples", "512"), 2, "1gbit",
+        TtaTask("tta-lstm", "2-layer LSTM language model (half width), synthetic text (a 100-word random walk), "
+                "2 emulated hosts at 1 Gbit/s", ("--model", "lstm", "--dataset", "ptb", "--width", "0.5",
+                                                 "--vocab-size", "100", *synth, "--eval-samples", "4096"), 2,
+                "1gbit", short or ("--epochs", "1", "--max-steps", "150"), 10),
+        TtaTask("tta-vgg16", "VGG-16 (ImageNet head, 32x32 inputs, quarter width), synthetic images (noise 0.5), "
+                "2 emulated hosts at 1 Gbit/s", ("--model", "vgg16", "--dataset", "imagenet", "--image-size", "32",
+                                                 "--width", "0.25", "--num-classes", "10", "--batch-size", "32",
+                                                 "--lr", "0.01", *synth, "--synthetic-noise", "0.5",
+                                                 "--eval-samples", "512"), 2, "1gbit",
                 short or ("--epochs", "1", "--max-steps", "120"), 10),
-        TtaTask("tta-resnet18", "ResNet-18 (CIFAR shape, quarter width), synthetic images, 2 emulated hosts at "
-                "1 Gbit/s: compute-bound here, compression cannot pay", ("--model", "resnet18", "--dataset",
-                                                                          "cifar10", "--width", "0.25", *synth,
-                                                                          "--eval-samples", "512"), 2, "1gbit",
-                short or ("--epochs", "1", "--max-steps", "100"), 10),
+        TtaTask("tta-resnet18", "ResNet-18 (CIFAR shape, quarter width), synthetic images (noise 0.5), 2 emulated "
+                "hosts at 1 Gbit/s: compute-bound here, compression cannot pay",
+                ("--model", "resnet18", "--dataset", "cifar10", "--width", "0.25", *synth, "--synthetic-noise", "0.5",
+                 "--eval-samples", "512"), 2, "1gbit", short or ("--epochs", "1", "--max-steps", "100"), 10),
     ]
 
 
