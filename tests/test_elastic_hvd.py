@@ -1,0 +1,67 @@
+"""A real `hvd.elastic.run` job with crossover compression: 2 workers, shrink to 1, grow back to 2.
+
+`horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script` on localhost with Gloo; the worker
+(tests/hvd_elastic_worker.py) rewrites the discovery file itself at fixed training steps, so nothing
+here depends on timing but the overall timeout, which turns a hang into a failure with all output.
+The compression's state rides `crossover.elastic.TorchState` (docs/compression.md, "Elastic").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hvd_harness import REPO, HorovodJobError, horovodrun_bin
+
+from crossover import procgroup
+
+WORKER = Path(__file__).with_name("hvd_elastic_worker.py")
+
+
+def run_elastic(tmp_path: Path, mode: str, timeout: float) -> tuple[list[dict], str]:
+    """Run the elastic job; (each final rank's result, all output). Raises HorovodJobError on failure/hang."""
+    (tmp_path / "hosts").write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat '{tmp_path / 'hosts'}'\n")
+    discover.chmod(0o755)
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {**os.environ, "CROSSOVER_RESULT_DIR": str(results), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [horovodrun_bin(), "-np", "2", "--min-np", "1", "--max-np", "2", "--gloo",
+           "--host-discovery-script", str(discover), "--network-interface", "lo", "--elastic-timeout", "60",
+           sys.executable, str(WORKER), str(tmp_path), mode]
+    try:
+        res = procgroup.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(REPO), timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise HorovodJobError(f"elastic job hung: killed after {timeout:.0f} s.\ncommand: {' '.join(cmd)}\n"
+                              f"--- output of all workers ---\n{exc.output or ''}") from exc
+    if res.returncode != 0:
+        raise HorovodJobError(f"elastic job failed with exit code {res.returncode}.\ncommand: {' '.join(cmd)}\n"
+                              f"--- output of all workers ---\n{res.stdout}")
+    out = []
+    for rank in range(2):
+        path = results / f"rank{rank}.json"
+        if not path.exists():
+            raise HorovodJobError(f"rank {rank} reported no result.\n--- output ---\n{res.stdout}")
+        out.append(json.loads(path.read_text()))
+    return out, res.stdout
+
+
+def test_elastic_shrink_to_one_and_grow_back_keeps_ranks_identical(tmp_path):
+    res, output = run_elastic(tmp_path, "state", timeout=150)
+    for r in res:
+        assert r["sizes"] == [2, 1, 2], (r, output[-4000:])
+        assert r["size"] == 2
+    r0, r1 = res
+    assert r0["batch"] == r1["batch"]
+    assert r0["weights"] == r1["weights"], "every rank must end with the same weights"
+    assert r0["policy"] == r1["policy"], "every rank must end with the same compression policy state"
+    assert r0["step"] == r1["step"]
+    # the new worker planned the same CF as rank 0 at every step after it joined
+    assert r0["cfs"] == r1["cfs"] and len(r0["cfs"]) >= 10, (r0["cfs"], r1["cfs"])
+    assert max(r0["cfs"].values()) > 1, "compression must be on after the regrowth for the check to bite"
