@@ -8,7 +8,7 @@ slot 1, the workers reset, training continues alone), after `GROW_AFTER` steps a
 regrowth every rank writes its result: weights checksum, compression policy state, and the CF the
 compression planned at every step since the regrowth.
 
-argv: workdir, mode. mode "state": `crossover.elastic.TorchState(..., compression=comp)`;
+argv: workdir, mode, policy ("gravac" or "dqsgd"). mode "state": `crossover.elastic.TorchState(..., compression=comp)`;
 "callback": the formerly documented way (`hvd.elastic.TorchState` and a reset callback calling
 `comp.reset(); comp.sync()`), which hangs when the worker joins.
 """
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from crossover.elastic import TorchState
-from horovod_ext.torch_compression import GravacCompression
+from horovod_ext.torch_compression import AdaptiveCompression
 
 log = logging.getLogger("hvd_elastic_worker")
 SHRINK_AT, GROW_AFTER, FINISH_AFTER, MAX_STEPS = 8, 8, 12, 3000
@@ -36,13 +36,16 @@ SHRINK_AT, GROW_AFTER, FINISH_AFTER, MAX_STEPS = 8, 8, 12, 3000
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    workdir, mode = Path(sys.argv[1]), sys.argv[2]
+    workdir, mode, policy = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 128)  # 32768 weights: compressed; the bias goes dense
-    # window > the run: decisions depend on the summed gains only (deterministic), and the CF moves
-    comp = GravacCompression("topk", cf_min=4, cf_max=64, epsilon=0.9, window=10_000, ewma_alpha=0.3,
-                             min_compress_numel=1024)
+    if policy == "gravac":
+        # window > the run: decisions depend on the summed gains only (deterministic), and the CF moves
+        comp = AdaptiveCompression("topk", cf_min=4, cf_max=64, epsilon=0.9, window=10_000, ewma_alpha=0.3,
+                                   min_compress_numel=1024)
+    else:  # bits from the global gradient norm and the optimizer's learning rate
+        comp = AdaptiveCompression(policy="dqsgd", total_steps=200, min_compress_numel=1024)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(), compression=comp)
     if mode == "state":
@@ -79,7 +82,8 @@ def main() -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             if state.sizes == [2, 1, 2]:
-                cfs[state.batch] = comp.stats()["compression_factor"]  # the CF this step sent
+                stats = comp.stats()  # the CF (GraVAC) or bits (DQ-SGD) this step sent
+                cfs[state.batch] = stats.get("bits", stats["compression_factor"])
             state.batch += 1
             state.phase_steps += 1
             if hvd.rank() == 0 and state.sizes == [2] and state.phase_steps == SHRINK_AT:
@@ -90,7 +94,7 @@ def main() -> None:
                 time.sleep(0.05)  # leave Horovod's discovery (1 s) time to notice without racing ahead
             state.commit()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-        policy = comp.state_dict(include_residuals=False)
+        policy = comp.state_dict()
         return {"rank": hvd.rank(), "size": hvd.size(), "batch": state.batch, "sizes": state.sizes,
                 "weights": hashlib.sha256(flat.tobytes()).hexdigest(),
                 "policy": json.dumps(policy["policy"], sort_keys=True), "step": policy["step"],

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hvd_harness import REPO, HorovodJobError, horovodrun_bin
 
 from crossover import procgroup
@@ -21,7 +22,7 @@ from crossover import procgroup
 WORKER = Path(__file__).with_name("hvd_elastic_worker.py")
 
 
-def run_elastic(tmp_path: Path, mode: str, timeout: float) -> tuple[list[dict], str]:
+def run_elastic(tmp_path: Path, mode: str, policy: str, timeout: float) -> tuple[list[dict], str]:
     """Run the elastic job; (each final rank's result, all output). Raises HorovodJobError on failure/hang."""
     (tmp_path / "hosts").write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -33,7 +34,7 @@ def run_elastic(tmp_path: Path, mode: str, timeout: float) -> tuple[list[dict], 
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [horovodrun_bin(), "-np", "2", "--min-np", "1", "--max-np", "2", "--gloo",
            "--host-discovery-script", str(discover), "--network-interface", "lo", "--elastic-timeout", "60",
-           sys.executable, str(WORKER), str(tmp_path), mode]
+           sys.executable, str(WORKER), str(tmp_path), mode, policy]
     try:
         res = procgroup.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=str(REPO), timeout=timeout)
@@ -52,8 +53,9 @@ def run_elastic(tmp_path: Path, mode: str, timeout: float) -> tuple[list[dict], 
     return out, res.stdout
 
 
-def test_elastic_shrink_to_one_and_grow_back_keeps_ranks_identical(tmp_path):
-    res, output = run_elastic(tmp_path, "state", timeout=150)
+@pytest.mark.parametrize("policy", ["gravac", "dqsgd"])
+def test_elastic_shrink_to_one_and_grow_back_keeps_ranks_identical(tmp_path, policy):
+    res, output = run_elastic(tmp_path, "state", policy, timeout=150)
     for r in res:
         assert r["sizes"] == [2, 1, 2], (r, output[-4000:])
         assert r["size"] == 2
@@ -62,6 +64,6 @@ def test_elastic_shrink_to_one_and_grow_back_keeps_ranks_identical(tmp_path):
     assert r0["weights"] == r1["weights"], "every rank must end with the same weights"
     assert r0["policy"] == r1["policy"], "every rank must end with the same compression policy state"
     assert r0["step"] == r1["step"]
-    # the new worker planned the same CF as rank 0 at every step after it joined
+    # the new worker planned the same CF (GraVAC) or bits (DQ-SGD) as rank 0 at every step after it joined
     assert r0["cfs"] == r1["cfs"] and len(r0["cfs"]) >= 10, (r0["cfs"], r1["cfs"])
     assert max(r0["cfs"].values()) > 1, "compression must be on after the regrowth for the check to bite"
