@@ -100,19 +100,42 @@ class TorchState(_HorovodTorchState):
     `TorchState(model, optimizer, compression=comp, batch=0, epoch=0)`: `comp` is saved by
     `commit()`, rolled back by `restore()`, reset on every reset and synchronized from rank 0 by
     `sync()` on every worker (joined or not). Any keyword name works; several compressions may be
-    given. Other keyword arguments behave as in Horovod.
+    given; assigning `state.compression = other` switches the handler to `other`. Other keyword
+    arguments behave as in Horovod. Only Horovod's public elastic API is used (the subclass calls
+    `super()` for the model, optimizer and plain objects, then handles the compressions itself).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         compressions = {k: kwargs.pop(k) for k in list(kwargs) if is_compression(kwargs[k])}
         super().__init__(model, optimizer, **kwargs)
+        self._compressions = {name: CompressionStateHandler(comp) for name, comp in compressions.items()}
         for name, comp in compressions.items():
-            self._handlers[name] = CompressionStateHandler(comp)
             setattr(self, name, comp)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handler = self.__dict__.get("_compressions", {}).get(name)
+        if handler is not None and handler.value is not value:
+            handler.set_value(value)
+        super().__setattr__(name, value)
+
+    def save(self) -> None:
+        super().save()
+        for handler in self._compressions.values():
+            handler.save()
+
+    def restore(self) -> None:
+        super().restore()
+        for handler in self._compressions.values():
+            handler.restore()
+
+    def sync(self) -> None:
+        """Model, optimizer and plain objects (Horovod), then every compression: on every worker."""
+        super().sync()
+        for handler in self._compressions.values():
+            handler.sync()
 
     def reset(self) -> None:
         """After a reset event, before `sync()`: every compression drops its step in flight."""
-        for handler in self._handlers.values():
-            if isinstance(handler, CompressionStateHandler):
-                handler.reset()
+        for handler in self._compressions.values():
+            handler.reset()
         super().reset()
