@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hvd_harness import REPO, HorovodJobError, horovodrun_bin
+from hvd_harness import REPO, HorovodJobError, horovodrun_bin, run_function
 
 from crossover import procgroup
 
@@ -69,3 +69,65 @@ def test_elastic_shrink_to_one_and_grow_back_keeps_ranks_identical(tmp_path, pol
     # the new worker planned the same CF (GraVAC) or bits (DQ-SGD) as rank 0 at every step after it joined
     assert r0["cfs"] == r1["cfs"] and len(r0["cfs"]) >= 10, (r0["cfs"], r1["cfs"])
     assert max(r0["cfs"].values()) > 1, "compression must be on after the regrowth for the check to bite"
+
+
+def commit_restore_sync_job():
+    import hashlib
+
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+
+    from crossover.elastic import TorchState
+    from horovod_ext.torch_compression import AdaptiveCompression
+
+    def make():
+        return AdaptiveCompression("topk", cf_min=4, cf_max=64, epsilon=0.9, window=10_000, ewma_alpha=0.3,
+                                   min_compress_numel=1024)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128)
+    comp = make()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    state = TorchState(model, opt, compression=comp, batch=0)
+
+    def step(i):
+        rng = np.random.default_rng(1000 * i + hvd.rank())
+        x = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
+        y = torch.from_numpy((rng.standard_normal((32, 128)) ** 3).astype(np.float32))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def snapshot():
+        sd = comp.state_dict()
+        res = {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sd.pop("residuals").items()}
+        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        return {"policy": json.dumps(sd["policy"], sort_keys=True), "step": sd["step"], "residuals": res,
+                "weights": hashlib.sha256(weights.tobytes()).hexdigest()}
+
+    for i in range(12):
+        step(i)
+    state.commit()
+    committed = snapshot()
+    for i in range(12, 20):
+        step(i)
+    moved = snapshot()
+    state.restore()
+    restored = snapshot()
+    if hvd.rank() == 1:  # a worker that knows nothing: a fresh object, as a joining worker has
+        state.compression = make()
+    state.sync()
+    synced = state.compression.state_dict(include_residuals=False)
+    return {"committed": committed, "moved": moved, "restored": restored,
+            "synced": json.dumps(synced["policy"], sort_keys=True), "synced_step": synced["step"]}
+
+
+def test_commit_restore_and_sync_carry_the_compression_with_the_model():
+    res = run_function(commit_restore_sync_job, timeout=120)
+    for r in res:
+        assert r["moved"]["step"] > r["committed"]["step"]
+        assert r["restored"] == r["committed"], "restore() must roll the compression back with the model"
+    assert res[1]["synced"] == res[0]["synced"] == res[0]["committed"]["policy"]
+    assert res[1]["synced_step"] == res[0]["synced_step"] == res[0]["committed"]["step"]
