@@ -33,7 +33,7 @@ FRAMEWORKS: dict[str, tuple[str, str]] = {
 AMBIGUOUS = ("crossover.{name} was created before the script imported horovod.torch or horovod.tensorflow "
              "(or it imported both), so which framework it is for is decided by its first compress(). "
              "To say it up front: from crossover.tensorflow import {name} (TensorFlow), or "
-             "from horovod_ext.torch_compression import {name} (PyTorch); or import horovod first.")
+             "from {torch_module} import {name} (PyTorch); or import horovod first.")
 
 
 def script_framework() -> str | None:
@@ -120,7 +120,7 @@ class LazyCompression:
         if impl is None:
             framework = script_framework()
             if framework is None:
-                raise RuntimeError(AMBIGUOUS.format(name=self._name))
+                raise RuntimeError(AMBIGUOUS.format(name=self._name, torch_module=FRAMEWORKS[self._name][0]))
             impl = self._build(framework)
         return getattr(impl, name)
 

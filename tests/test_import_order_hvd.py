@@ -5,6 +5,8 @@ behaves exactly like the horovod.torch object (same decisions, weights, paramete
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from hvd_harness import run_script
@@ -22,3 +24,20 @@ def test_object_built_before_horovod_torch_is_the_torch_object_at_first_use():
         assert r["early"] == r["late"], (r["early"], r["late"])
         assert max(r["early"]["cfs"]) > 1
     assert res[0]["early"]["weights"] == res[1]["early"]["weights"]
+
+
+def test_names_before_any_framework_import_nothing_and_say_how_to_choose():
+    code = ("import sys\n"
+            "from crossover import AdaptiveCompression, QSGDCompression\n"
+            "q = QSGDCompression(4)\n"
+            "assert not {'torch', 'tensorflow', 'horovod'} & set(sys.modules), sorted(sys.modules)\n"
+            "try:\n"
+            "    q.stats()\n"
+            "except RuntimeError as exc:\n"
+            "    print(type(q).__module__, '|', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    module, msg = proc.stdout.split("|", 1)
+    assert module.strip() == "horovod_ext._dispatch"
+    assert "crossover.tensorflow import QSGDCompression" in msg and "torch_quantization import QSGDCompression" in msg
