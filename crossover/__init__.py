@@ -2,9 +2,11 @@
 
 Importing this package is cheap and silent: Horovod and the frameworks are imported only when a
 name that needs them is first used (`from crossover import AdaptiveCompression`). The compression
-names resolve to the horovod.torch objects, or to the horovod.tensorflow ones (`crossover.tensorflow`)
-when the script imported horovod.tensorflow and not horovod.torch; import from `crossover.tensorflow`
-to be explicit.
+names resolve to the horovod.torch objects when the script imported horovod.torch (and not
+horovod.tensorflow), to the horovod.tensorflow ones (`crossover.tensorflow`) in the opposite case;
+otherwise (crossover imported first, or both frameworks) to a class that decides when the object is
+created, or at its first `compress` from the tensor's type (horovod_ext/_dispatch.py). Import from
+`crossover.tensorflow` to be explicit. Elastic training: `crossover.elastic.TorchState`.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ _TORCH_NAMES = {"AdaptiveCompression", "FP16Compression", "StaticCompression"}
 _QUANT_NAMES = {"DqsgdCompression", "QSGDCompression"}
 
 
-def _tensorflow_script() -> bool:
-    """Whether this process uses horovod.tensorflow rather than horovod.torch."""
-    import sys
-
-    return "horovod.tensorflow" in sys.modules and "horovod.torch" not in sys.modules
-
-
 def __getattr__(name: str) -> Any:
     """Lazy exports: the framework glue is imported on first use only."""
-    if name in _TORCH_NAMES | _QUANT_NAMES and _tensorflow_script():
+    if name not in _TORCH_NAMES | _QUANT_NAMES:
+        raise AttributeError(f"module 'crossover' has no attribute {name!r}")
+    from horovod_ext import _dispatch
+
+    framework = _dispatch.script_framework()
+    if framework is None:  # horovod not imported yet (or both frameworks): decide at first use
+        return _dispatch.lazy_class(name)
+    if framework == "tensorflow":
         from crossover import tensorflow
 
         return getattr(tensorflow, name)

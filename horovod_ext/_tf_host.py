@@ -26,9 +26,29 @@ import tensorflow as tf
 from crossover.adaptive.driver import check_min_numel
 from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
 
-__all__ = ["TFHookBase", "check_op", "safe_name", "hook_context"]
+__all__ = ["INSIDE_FUNCTION_ERROR", "TFHookBase", "check_built_outside_function", "check_op", "safe_name",
+           "hook_context", "tracing_function"]
 
 _INSTANCES = itertools.count()  # objects are created in the same order on every rank: a shared id
+INSIDE_FUNCTION_ERROR = (
+    "crossover's {name} was created inside a tf.function. It keeps state across steps (tf.Variables: "
+    "error-feedback residuals, statistics; the policy's state in Python), and TensorFlow traces a function "
+    "more than once, creating a new object each time (\"only supports singleton tf.Variables\"). Build it once, "
+    "outside the tf.function (next to the model and optimizer), and pass that object to "
+    "hvd.DistributedGradientTape(tape, compression=...) inside. (crossover's FP16Compression may be built "
+    "inside, like hvd.Compression.fp16.)")
+
+
+def tracing_function() -> bool:
+    """Whether this runs while a tf.function is traced (not under its `tf.init_scope()`, not TF1 graph mode)."""
+    return tf.inside_function() and not tf.executing_eagerly()
+
+
+def check_built_outside_function(obj: Any) -> None:
+    """Raise INSIDE_FUNCTION_ERROR when a stateful compression object is being built while tracing."""
+    if tracing_function():
+        name = type(getattr(obj, "_hook_owner", obj)).__name__
+        raise RuntimeError(INSIDE_FUNCTION_ERROR.format(name=name))
 
 
 def hook_context(compression: Any) -> tuple[bool, Any]:
@@ -60,6 +80,7 @@ class TFHookBase:
     _plan_len = 1
 
     def __init__(self, *, min_compress_numel: int, error_feedback: bool, seed: int) -> None:
+        check_built_outside_function(self)
         self.min_compress_numel = check_min_numel(min_compress_numel)
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)

@@ -32,7 +32,7 @@ import tensorflow as tf
 from crossover.adaptive.driver import CfPolicy, SparseStatsLayout, SparseStepDriver, gravac_or_dense, shared_seed
 from crossover.adaptive.static import StaticPolicy
 from horovod_ext._facade import AdaptiveFacade
-from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name
+from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name, tracing_function
 from horovod_ext.tf_quantization import DqsgdCompression
 
 __all__ = ["AdaptiveCompression", "FP16Compression", "GravacCompression", "StaticCompression"]
@@ -312,17 +312,34 @@ class AdaptiveCompression(AdaptiveFacade):
 
 
 class FP16Compression:
-    """fp16 casts (like hvd.Compression.fp16) with byte counters; summable, so plain allreduce."""
+    """fp16 casts (like hvd.Compression.fp16) with byte counters; summable, so plain allreduce.
+
+    May be built inside a tf.function, as Horovod's TF2 example does with `hvd.Compression.fp16`:
+    TensorFlow traces such a function more than once and builds a new object each time, and must not
+    create a variable after the first trace, so objects built inside a tf.function share one counter
+    variable (their `stats()` count all of them together). Built outside, each object counts its own.
+    """
 
     __hash__ = object.__hash__
+    _shared_counts: tf.Variable | None = None  # the counter of objects built inside a tf.function
 
     def __init__(self) -> None:
         self._counts: tf.Variable | None = None
+        self._in_function = tracing_function()
+
+    @staticmethod
+    def _new_counter() -> tf.Variable:
+        with tf.init_scope():
+            return tf.Variable(tf.zeros([2], tf.int64), trainable=False, name="crossover_fp16_bytes")
 
     def _var(self) -> tf.Variable:
         if self._counts is None:
-            with tf.init_scope():
-                self._counts = tf.Variable(tf.zeros([2], tf.int64), trainable=False, name="crossover_fp16_bytes")
+            if self._in_function:
+                if FP16Compression._shared_counts is None:
+                    FP16Compression._shared_counts = self._new_counter()
+                self._counts = FP16Compression._shared_counts
+            else:
+                self._counts = self._new_counter()
         return self._counts
 
     @tf.autograph.experimental.do_not_convert

@@ -1,7 +1,7 @@
 """The import layers hold: core (crossover/) <- glue (horovod_ext/) <- tools (benchmarks/, tests/).
 
 Read from the source (AST, imports inside functions included), so a lazy import cannot hide a
-dependency. The two public re-export modules, crossover/__init__.py and crossover/tensorflow.py, are
+dependency. The public re-export modules, crossover/__init__.py, crossover/tensorflow.py and crossover/elastic.py, are
 the only files under crossover/ allowed to name horovod_ext (docs/architecture.md).
 """
 
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-REEXPORTS = {"crossover/__init__.py", "crossover/tensorflow.py"}
+REEXPORTS = {"crossover/__init__.py", "crossover/tensorflow.py", "crossover/elastic.py"}
 
 
 def _modules() -> dict[str, Path]:
