@@ -96,7 +96,13 @@ class _SparseCompression(TorchHookBase):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`; the step in flight (if any) is dropped."""
+        """Restore from `state_dict()`; the step in flight (if any) is dropped.
+
+        Everything (policy, counters, step records, residuals: finite, of the right size) is validated
+        before anything is applied: a bad state raises ValueError and leaves this object unchanged.
+        """
+        if isinstance(state, Mapping) and "residuals" in state:
+            self.codec.memory.validate(state["residuals"])
         in_flight = self.driver.load_state_dict(state)
         self.codec.seed = self.driver.seed
         if "residuals" in state:
