@@ -118,9 +118,12 @@ class _SparseCompression(TorchHookBase):
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
-        where ranks loaded different checkpoints); residuals stay per rank."""
+        where ranks loaded different checkpoints); residuals stay per rank. Runs on the optimizer's
+        process set once a step has bound it (every member calls it; `root_rank` is a rank in that set)."""
+        ps = self.comm.process_set
+        kw = {} if ps is None else {"process_set": ps}
         state = hvd.broadcast_object(self.state_dict(include_residuals=False), root_rank=root_rank,
-                                     name="crossover.compression.sync")
+                                     name="crossover.compression.sync", **kw)
         self.load_state_dict(state)
 
 

@@ -59,9 +59,14 @@ def _train(kind: str, scaler_scale: float | None, poison: dict) -> dict:
         x, y = _batch(gen)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
+        hook = None
+        if step in poison and poison[step][0] == hvd.rank():  # in backward, before Horovod's hook sees it
+            hook = model[0].weight.register_hook(lambda g, v=poison[step][1]: g.index_put((torch.tensor(5),
+                                                                                           torch.tensor(7)),
+                                                                                          torch.tensor(v)))
         (scaler.scale(loss) if scaler else loss).backward()
-        if step in poison and poison[step][0] == hvd.rank():
-            model[0].weight.grad[5, 7] = poison[step][1]
+        if hook is not None:
+            hook.remove()
         opt.synchronize()
         if scaler:
             scaler.unscale_(opt)
@@ -265,7 +270,7 @@ def _dynamic_requires_grad() -> bool:
                                         named_parameters=gen.named_parameters(), compression=comp)
         dopt = hvd.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1),
                                         named_parameters=disc.named_parameters(), compression=comp2)
-        for step in range(10):
+        for _ in range(10):
             for train_gen in (True, False):
                 for p in gen.parameters():
                     p.requires_grad_(train_gen)
@@ -436,3 +441,27 @@ def test_load_state_dict_validates_first_and_changes_nothing_on_error():
         assert torch.equal(after.pop("residuals")["w"], torch.ones(4)), what
         assert after == {k: v for k, v in good.items() if k != "residuals"}, what
     comp.load_state_dict(good)  # the good state still loads
+
+
+def test_statistics_of_huge_gradients_stay_finite_in_float32():
+    """Item 2: ||g||^2 of a gradient of 1e36 per element is finite in float64 and must stay finite
+    (clamped, marked saturated) in the float32 vector summed over ranks; inf/NaN stay non-finite."""
+    from crossover.adaptive.driver import STAT_MAX, SparseStatsLayout, SparseStepDriver
+    from crossover.adaptive.static import StaticPolicy
+    from crossover.compression import kernels
+
+    g = torch.full((1000,), 1e36)
+    sq = kernels.sumsq(g)
+    assert math.isfinite(sq) and sq > 1e74
+    layout = SparseStatsLayout(1)
+    vec = torch.tensor(layout.local(step_time=0.1, grad_sq=sq, acc_sq=sq, probe_sq=[sq]), dtype=torch.float32)
+    assert bool(torch.isfinite(vec).all()) and bool(torch.isfinite(vec * 64).all())
+    bad = layout.local(step_time=0.1, grad_sq=float("inf"), acc_sq=float("nan"), probe_sq=[1.0])
+    assert math.isinf(bad[layout.GRAD_SQ]) and math.isnan(bad[layout.ACC_SQ])
+    drv = SparseStepDriver(StaticPolicy(cf=4.0), compressor="topk", seed=0)
+    drv.begin_step(0.0)
+    drv.add_reduced((vec * 2).tolist(), 2)  # a Sum over two ranks
+    assert drv.current.saturated and not drv.current.nonfinite and drv.saturated_steps == 1
+    drv.add_reduced(bad, 1)
+    assert drv.current.nonfinite and drv.nonfinite_steps == 1
+    assert STAT_MAX * 2 ** 27 < torch.finfo(torch.float32).max
