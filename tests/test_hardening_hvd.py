@@ -465,3 +465,52 @@ def test_statistics_of_huge_gradients_stay_finite_in_float32():
     drv.add_reduced(bad, 1)
     assert drv.current.nonfinite and drv.nonfinite_steps == 1
     assert STAT_MAX * 2 ** 27 < torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("transport", ["allgather", "allreduce"])
+def test_quant_codec_survives_a_nonfinite_gradient(transport):
+    """Item 1 for DQ-SGD/QSGD: an inf on one rank does not crash that rank's encode (the other would hang);
+    every rank decodes NaN and resets the tensor's residual."""
+    from crossover.compression.collectives import SimulatedGroup
+    from crossover.compression.quant_codec import QuantCodec
+
+    grp = SimulatedGroup(2)
+    codecs = [QuantCodec(error_feedback=True, transport=transport) for _ in range(2)]
+    gs = [torch.randn(5000), torch.randn(5000)]
+    gs[1][3] = float("inf")
+    enc = [c.encode("w", g, 4, 1, grp.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, gs))]
+    reduced = (enc[0][0].float() + enc[1][0].float()) / 2
+    for r, c in enumerate(codecs):
+        out, (_, sq) = c.decode(reduced.to(enc[r][0].dtype).clone(), enc[r][1], grp.rank_view(r))
+        assert not math.isfinite(sq) and bool(torch.isnan(out).all())
+        assert bool((c.memory._residuals["w"] == 0).all())
+
+
+def test_sparse_codec_restores_residuals_of_a_nonfinite_step():
+    """Item 1, codec level: after a step with a NaN on rank 1, rank 0's residual is what it was before
+    the step (up to rounding), rank 1's is reset, both decode NaN and both drivers count the step."""
+    from crossover.adaptive.driver import SparseStepDriver
+    from crossover.adaptive.static import StaticPolicy
+    from crossover.compression.collectives import SimulatedGroup
+    from crossover.compression.sparse_codec import SparseCodec
+
+    grp = SimulatedGroup(2)
+    codecs = [SparseCodec("topk") for _ in range(2)]
+    drivers = [SparseStepDriver(StaticPolicy(cf=10.0), compressor="topk", seed=0) for _ in range(2)]
+    for step in range(2):
+        gs = [torch.randn(50000), torch.randn(50000)]
+        if step == 1:
+            gs[1][3] = float("nan")
+        before = [c.memory._residuals.get("w", torch.zeros(50000)).clone() for c in codecs]
+        for d in drivers:
+            d.begin_step(float(step))
+        enc = [c.encode("w", g, d.current, 0.0, grp.rank_view(r))
+               for r, (c, g, d) in enumerate(zip(codecs, gs, drivers))]
+        reduced = (enc[0][0] + enc[1][0]) / 2
+        for r, c in enumerate(codecs):
+            out, stats = c.decode(reduced.clone(), enc[r][1], grp.rank_view(r))
+            drivers[r].add_reduced(stats.tolist(), 2)
+            assert bool(torch.isnan(out).all()) == (step == 1)
+    res0, res1 = (c.memory._residuals["w"] for c in codecs)
+    assert torch.allclose(res0, before[0], atol=1e-5) and bool((res1 == 0).all())
+    assert [d.nonfinite_steps for d in drivers] == [1, 1]

@@ -77,6 +77,8 @@ class QuantCodec:
             x = residual
         else:
             sq = kernels.sumsq(x)
+        if not math.isfinite(sq):  # inf/NaN here: send zeros and the non-finite ||x||^2, which marks the
+            x = torch.zeros_like(x)  # step on every rank (decode); a rare path, so the copy is fine
         scale = quantize.absmax(x) or 1.0  # an all-zero tensor quantizes to zeros at any scale
         seed = shared_seed(self.seed, step, f"{key}:{comm.rank()}")  # independent rounding per rank
         stats = torch.tensor([1.0, clamp_stat(sq)], dtype=torch.float32)  # sq is float64: clamp to fit
