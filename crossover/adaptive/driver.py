@@ -28,6 +28,7 @@ import copy
 import csv
 import logging
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -247,13 +248,15 @@ class StepRecord:
 
 
 def _check_int(what: str, v: object, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    """`v` as an int (numpy integers too) if it is one and >= lo, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
         raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
-    return v
+    return int(v)
 
 
 def _check_real(what: str, v: object, lo: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+    """`v` as a float if it is a finite real number >= lo, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < lo:
         raise ValueError(f"{what} must be a finite number >= {lo:g}, got {v!r}")
     return float(v)
 
