@@ -12,6 +12,8 @@ Subclasses hold a step driver (crossover/adaptive/driver.py) and a codec (crosso
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any
 
 import horovod.torch as hvd
@@ -20,7 +22,14 @@ import torch
 from crossover.adaptive.driver import GradientKeys, check_min_numel
 from horovod_ext._internals import torch_hook_caller, torch_process_set
 
-__all__ = ["HorovodCollectives", "TorchHookBase"]
+__all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]
+
+log = logging.getLogger(__name__)
+
+SHARED_ERROR = ("crossover: this compression object is already used by another DistributedOptimizer. Its state "
+                "(error-feedback residuals keyed by parameter name, step counter, policy) belongs to one "
+                "optimizer: create one compression object per hvd.DistributedOptimizer (stateless ones like "
+                "hvd.Compression.fp16 or crossover's FP16Compression may be shared)")
 
 
 class HorovodCollectives:
@@ -52,6 +61,10 @@ class TorchHookBase:
         self.comm = HorovodCollectives()
         self._keys = GradientKeys()
         self._phase = "idle"  # "compress" during backward, "decompress" during synchronize
+        self._owner: weakref.ReferenceType[Any] | None = None  # the one optimizer this object serves
+        self._step_large = 0  # float32 tensors of the step in flight at or above min_compress_numel
+        self._step_small = 0  # tensors passed through in the step in flight: below min_compress_numel
+        self._warned_small = False
 
     # ------------------------------------------------------------------ for subclasses
     def _begin_step(self) -> None:
@@ -77,18 +90,21 @@ class TorchHookBase:
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Called by Horovod per gradient; returns the tensor to allreduce and a context."""
         name, opt = torch_hook_caller(tensor)  # must be called from here: Horovod is two frames up
+        if opt is not None:
+            self._check_owner(opt)
         if self._phase != "compress":
-            self._begin_step()
-            self._phase = "compress"
-            self._keys.begin()
+            self._new_step()
         if opt is not None:
             ps = torch_process_set(opt)
             if ps is not self.comm.process_set:
                 self.comm = HorovodCollectives(ps)
         self._optimizer_seen(opt)
         nbytes = tensor.numel() * tensor.element_size()
-        if (tensor.dtype != torch.float32 or tensor.is_sparse or tensor.numel() < self.min_compress_numel
-                or self._skips_all()):
+        small = tensor.numel() < self.min_compress_numel
+        if tensor.dtype == torch.float32 and not tensor.is_sparse:
+            self._step_small += int(small)
+            self._step_large += int(not small)
+        if tensor.dtype != torch.float32 or tensor.is_sparse or small or self._skips_all():
             self._count(nbytes, nbytes)
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
@@ -101,12 +117,35 @@ class TorchHookBase:
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
+        self._phase = "decompress"  # also after a pass-through: the next compress starts a step
         if ctx is None:
             return tensor
-        self._phase = "decompress"
         return self._decompress(tensor, ctx)
 
     def reset(self) -> None:
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         self._phase = "idle"
         self._keys.begin()
+
+    # ------------------------------------------------------------------ internals
+    def _new_step(self) -> None:
+        """The first compress of a step: say once if the last step compressed nothing for its size."""
+        if self._step_small and not self._step_large and not self._warned_small:
+            self._warned_small = True
+            log.warning("crossover: no gradient was compressed in a step: all %d float32 gradients are smaller "
+                        "than min_compress_numel=%d elements and went through uncompressed (Horovod's dense "
+                        "path). Pass a smaller min_compress_numel to compress them.", self._step_small,
+                        self.min_compress_numel)
+        self._step_large = self._step_small = 0
+        self._begin_step()
+        self._phase = "compress"
+        self._keys.begin()
+
+    def _check_owner(self, opt: Any) -> None:
+        """One optimizer per stateful compression object: a second live one raises (same on every rank)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is opt:
+            return
+        if owner is not None:
+            raise ValueError(SHARED_ERROR)
+        self._owner = weakref.ref(opt)

@@ -96,7 +96,13 @@ class _SparseCompression(TorchHookBase):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`; the step in flight (if any) is dropped."""
+        """Restore from `state_dict()`; the step in flight (if any) is dropped.
+
+        Everything (policy, counters, step records, residuals: finite, of the right size) is validated
+        before anything is applied: a bad state raises ValueError and leaves this object unchanged.
+        """
+        if isinstance(state, Mapping) and "residuals" in state:
+            self.codec.memory.validate(state["residuals"])
         in_flight = self.driver.load_state_dict(state)
         self.codec.seed = self.driver.seed
         if "residuals" in state:
@@ -112,9 +118,12 @@ class _SparseCompression(TorchHookBase):
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
-        where ranks loaded different checkpoints); residuals stay per rank."""
+        where ranks loaded different checkpoints); residuals stay per rank. Runs on the optimizer's
+        process set once a step has bound it (every member calls it; `root_rank` is a rank in that set)."""
+        ps = self.comm.process_set
+        kw = {} if ps is None else {"process_set": ps}
         state = hvd.broadcast_object(self.state_dict(include_residuals=False), root_rank=root_rank,
-                                     name="crossover.compression.sync")
+                                     name="crossover.compression.sync", **kw)
         self.load_state_dict(state)
 
 

@@ -75,8 +75,11 @@ class _QuantizedCompression(TorchHookBase):
         return {**self.driver.state_dict(), "residuals": self.codec.memory.state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`: validated first (ValueError, nothing changed), then applied."""
+        residuals = state.get("residuals", {}) if isinstance(state, Mapping) else {}
+        self.codec.memory.validate(residuals)
         self.driver.load_state_dict(state)
-        self.codec.memory.load(state.get("residuals", {}))
+        self.codec.memory.load(residuals)
         TorchHookBase.reset(self)
 
 

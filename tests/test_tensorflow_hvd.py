@@ -209,7 +209,7 @@ def test_identical_decisions_when_ranks_differ():
     assert a["step"] == steps
     assert a["bytes"][0] < a["bytes"][1]
     assert a["keys"] == sorted(["step", "compression_factor", "gain", "bytes_sent", "bytes_dense", "compressor",
-                                "policy"])
+                                "policy", "nonfinite_steps", "saturated_steps"])
     assert {"step", "bits", "compression_factor", "gain", "bytes_sent", "bytes_dense"} <= set(a["qkeys"])
 
 

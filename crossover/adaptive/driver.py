@@ -24,9 +24,11 @@ statistics `[1, ||x||^2]`, and DQ-SGD's budget calibration on the first usable s
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -36,6 +38,7 @@ from crossover.adaptive.dqsgd import MAX_BITS, MIN_BITS, DqsgdPolicy, DqsgdStats
 from crossover.adaptive.gravac import Plan, StepStats
 
 __all__ = ["SparseStatsLayout", "StepRecord", "SparseStepDriver", "QuantStepDriver", "QUANT_STATS_LEN",
+           "STAT_MAX", "clamp_stat",
            "normalize_reduced", "shared_seed", "GradientKeys", "check_min_numel", "gravac_or_dense",
            "dqsgd_settings", "lr_at", "DQSGD_PARAMS"]
 
@@ -44,6 +47,16 @@ log = logging.getLogger(__name__)
 CF_POLICY_STATE_VERSION = 1
 QUANT_STATE_VERSION = 1
 QUANT_STATS_LEN = 2  # [1, ||x||^2]
+# Statistics travel in float32 and are summed over ranks: each rank's finite values are clamped to
+# STAT_MAX (2**100) so that a sum over up to 2**27 ranks cannot overflow float32 (max ~2**128). They are
+# computed in float64 (a gradient of 1e36 per element has a finite ||g||^2 there). A reduced statistic
+# at or above STAT_MAX means some rank saturated: that step is not shown to the policy (`saturated`).
+STAT_MAX = 2.0 ** 100
+
+
+def clamp_stat(x: float, hi: float = STAT_MAX) -> float:
+    """`x` clamped to `hi` when finite; inf and NaN stay as they are (they mark a non-finite step)."""
+    return min(x, hi) if math.isfinite(x) else x
 
 
 class CfPolicy(Protocol):
@@ -101,11 +114,17 @@ class SparseStatsLayout:
         return self.HEAD + self.nprobes + i
 
     def local(self, *, step_time: float, grad_sq: float, acc_sq: float, probe_sq: Sequence[float]) -> list[float]:
-        """One tensor's vector on one rank, from squared norms (the norms are their square roots)."""
+        """One tensor's vector on one rank, from squared norms (the norms are their square roots).
+
+        Every value is clamped to STAT_MAX (`clamp_stat`) so that it converts to float32 and its sum
+        over ranks stays finite; a non-finite input stays non-finite, so the reduced vector is
+        non-finite on every rank (`StepRecord.nonfinite`).
+        """
         if len(probe_sq) != self.nprobes:
             raise ValueError(f"expected {self.nprobes} probe norms, got {len(probe_sq)}")
-        return [1.0, step_time, grad_sq, _sqrt(grad_sq), acc_sq, _sqrt(acc_sq), *probe_sq,
-                *(_sqrt(v) for v in probe_sq)]
+        out = [1.0, step_time, grad_sq, _sqrt(grad_sq), acc_sq, _sqrt(acc_sq), *probe_sq,
+               *(_sqrt(v) for v in probe_sq)]
+        return [clamp_stat(v) for v in out]
 
 
 def _sqrt(x: float) -> float:
@@ -144,6 +163,8 @@ class StepRecord:
     prev_step_time: float | None = None  # the previous step's duration, mean over ranks
     bytes_sent: int = 0
     bytes_dense: int = 0
+    nonfinite: bool = False  # some tensor's reduced statistics were inf/NaN: not shown to the policy
+    saturated: bool = False  # some statistic reached STAT_MAX (clamped): not shown to the policy
 
     def __post_init__(self) -> None:
         n = len(self.probes)
@@ -152,11 +173,26 @@ class StepRecord:
         if len(self.probe_sq) != n or len(self.probe_norm) != n:
             raise ValueError("probe statistics must have one value per probed CF")
 
+    @property
+    def skipped(self) -> bool:
+        """Whether the policy must not observe this step (identical on every rank: reduced numbers)."""
+        return self.nonfinite or self.saturated
+
     def add(self, sums: Sequence[float], layout: SparseStatsLayout) -> None:
-        """Add one tensor's statistics, already turned into sums over ranks (`normalize_reduced`)."""
+        """Add one tensor's statistics, already turned into sums over ranks (`normalize_reduced`).
+
+        Non-finite statistics (an inf/NaN gradient on some rank) mark the step `nonfinite` and are not
+        added; statistics at or above STAT_MAX mark it `saturated`.
+        """
         self.tensors += 1
-        if self.prev_step_time is None:
+        head = sums[:layout.length]
+        if self.prev_step_time is None and math.isfinite(sums[layout.STEP_TIME]):
             self.prev_step_time = sums[layout.STEP_TIME]
+        if not all(math.isfinite(v) for v in head):
+            self.nonfinite = True
+            return
+        if any(v >= STAT_MAX for v in head[layout.GRAD_SQ:]):
+            self.saturated = True
         self.grad_sq += sums[layout.GRAD_SQ]
         self.grad_norm += sums[layout.GRAD_NORM]
         self.acc_sq += sums[layout.ACC_SQ]
@@ -189,28 +225,99 @@ class StepRecord:
         unknown = set(d) - allowed
         if unknown:
             raise ValueError(f"unknown step record fields {sorted(unknown)}")
-        return cls(**{**d, "probes": tuple(float(p) for p in d["probes"])})
+        rec = cls(**{**d, "probes": tuple(float(p) for p in d["probes"])})
+        rec.validate()
+        return rec
+
+    def validate(self) -> None:
+        """Raise ValueError unless every field is a sane value (a loaded state is checked before use)."""
+        _check_int("step record step", self.step, 0)
+        _check_real("step record sent_cf", self.sent_cf, 1.0)
+        for cf in self.probes:
+            _check_real("step record probe CF", cf, 1.0)
+        for name in ("tensors", "bytes_sent", "bytes_dense"):
+            _check_int(f"step record {name}", getattr(self, name), 0)
+        for name in ("grad_sq", "grad_norm", "acc_sq", "acc_norm"):
+            _check_real(f"step record {name}", getattr(self, name), 0.0)
+        for v in (*self.probe_sq, *self.probe_norm):
+            _check_real("step record probe statistic", v, 0.0)
+        if self.prev_step_time is not None:
+            _check_real("step record prev_step_time", self.prev_step_time, 0.0)
+        if not isinstance(self.nonfinite, bool) or not isinstance(self.saturated, bool):
+            raise ValueError("step record nonfinite/saturated must be booleans")
+
+
+def _check_int(what: str, v: object, lo: int) -> int:
+    """`v` as an int (numpy integers too) if it is one and >= lo, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _check_real(what: str, v: object, lo: float) -> float:
+    """`v` as a float if it is a finite real number >= lo, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < lo:
+        raise ValueError(f"{what} must be a finite number >= {lo:g}, got {v!r}")
+    return float(v)
 
 
 class StepLog:
-    """The per-step CSV telemetry file of one rank (`log_csv`, may contain `{rank}`)."""
+    """The per-step CSV telemetry file of one rank (`log_csv`).
+
+    * One file per rank: `{rank}` in the pattern is replaced by the rank; a pattern without it gets
+      `.rank<r>` before its extension (`gravac.csv` -> `gravac.rank0.csv`), so ranks never share a file.
+    * Never mixed into an existing file: the file is created at the first step; if the path exists,
+      the next free `<name>.<n><ext>` is used and a warning names it.
+    * A header that cannot lie: fixed columns, the probed CFs are values in each row
+      (`probe1_cf, probe1_gain, probe2_cf, probe2_gain`; GraVAC probes at most two CFs), `skipped` = 1
+      when the policy did not observe the step (non-finite or saturated statistics).
+    """
+
+    HEADER = ("step", "sent_cf", "step_time_s", "bytes_sent", "bytes_dense", "probe1_cf", "probe1_gain",
+              "probe2_cf", "probe2_gain", "skipped")
+    MAX_PROBES = 2
 
     def __init__(self, pattern: str | None, rank: Callable[[], int]) -> None:
         self.pattern = pattern
         self._rank = rank
+        self.path: str | None = None  # the file actually written, once opened
+
+    def open(self) -> None:
+        """Create this rank's file with its header (first step); idempotent."""
+        if not self.pattern or self.path is not None:
+            return
+        pattern = self.pattern
+        if "{rank}" not in pattern:
+            root, ext = os.path.splitext(pattern)
+            pattern = root + ".rank{rank}" + ext
+        wanted = pattern.format(rank=self._rank())
+        root, ext = os.path.splitext(wanted)
+        path, n = wanted, 0
+        while True:
+            try:
+                fh = open(path, "x", newline="")
+                break
+            except FileExistsError:
+                n += 1
+                path = f"{root}.{n}{ext}"
+        with fh:
+            csv.writer(fh).writerow(self.HEADER)
+        if path != wanted:
+            log.warning("crossover: log_csv file %s exists; writing %s instead (an existing file is never "
+                        "appended to)", wanted, path)
+        self.path = path
 
     def write(self, step: int, rec: StepRecord, step_time: float) -> None:
         if not self.pattern:
             return
-        path = self.pattern.format(rank=self._rank())
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as fh:
-            w = csv.writer(fh)
-            if new:
-                w.writerow(["step", "sent_cf", "step_time_s", "bytes_sent", "bytes_dense"]
-                           + [f"gain_cf{cf:g}" for cf in rec.probes])
-            gains = ["" if g is None else g for g in rec.gains()]
-            w.writerow([step, rec.sent_cf, f"{step_time:.6f}", rec.bytes_sent, rec.bytes_dense] + gains)
+        self.open()
+        probes: list[Any] = []
+        for cf, g in list(zip(rec.probes, rec.gains()))[:self.MAX_PROBES]:
+            probes += [cf, "" if g is None or rec.skipped else g]
+        probes += [""] * (2 * self.MAX_PROBES - len(probes))
+        with open(self.path, "a", newline="") as fh:  # type: ignore[arg-type]
+            csv.writer(fh).writerow([step, rec.sent_cf, f"{step_time:.6f}", rec.bytes_sent, rec.bytes_dense,
+                                     *probes, int(rec.skipped)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +335,8 @@ class SparseStepDriver:
         self.step = 0  # steps begun; identical on every rank
         self.bytes_sent = 0
         self.bytes_dense = 0
+        self.nonfinite_steps = 0  # steps with inf/NaN statistics (not shown to the policy)
+        self.saturated_steps = 0  # steps whose statistics reached STAT_MAX (not shown to the policy)
         self.reset()
 
     # ------------------------------------------------------------------ steps
@@ -244,6 +353,7 @@ class SparseStepDriver:
             self.last_step_time = now - self._step_start
         self._step_start = now
         self.step += 1
+        self.log.open()
         if self.current is not None:
             self._finish(self.current)
         plan = self.policy.plan()
@@ -255,7 +365,8 @@ class SparseStepDriver:
         """Step t's statistics are complete; step t-1's duration arrived with them: observe t-1."""
         p = self.pending
         if p is not None and rec.prev_step_time is not None:
-            self.policy.observe(p.to_stats(rec.prev_step_time))
+            if not p.skipped:  # a non-finite or saturated step is not shown to the policy, on every rank
+                self.policy.observe(p.to_stats(rec.prev_step_time))
             self.log.write(p.step - 1, p, rec.prev_step_time)
         self.pending = rec if rec.tensors else None
 
@@ -266,11 +377,24 @@ class SparseStepDriver:
 
     def add_reduced(self, reduced: Sequence[float], world: int) -> None:
         """One tensor's reduced statistics vector (as the reduction left it) for the step in flight."""
-        if self.current is None:
+        rec = self.current
+        if rec is None:
             return
         sums = normalize_reduced(reduced, world)
         if sums is not None:
-            self.current.add(sums, SparseStatsLayout(len(self.current.probes)))
+            flags = (rec.nonfinite, rec.saturated)
+            rec.add(sums, SparseStatsLayout(len(rec.probes)))
+            self._count_flags(rec, flags)
+
+    def _count_flags(self, rec: StepRecord, before: tuple[bool, bool]) -> None:
+        """Count a step once when it first turns out non-finite or saturated."""
+        if rec.nonfinite and not before[0]:
+            self.nonfinite_steps += 1
+            log.warning("crossover: step %d has non-finite gradient statistics (inf/NaN on some rank): the "
+                        "affected tensors decode to NaN, their residuals are restored, the policy skips the step",
+                        rec.step)
+        if rec.saturated and not before[1]:
+            self.saturated_steps += 1
 
     def add_sums(self, sums: Sequence[float], tensors: int, layout: SparseStatsLayout) -> None:
         """The whole step's statistics at once, in `layout`, already summed over tensors and ranks
@@ -279,8 +403,10 @@ class SparseStepDriver:
         rec = self.current
         if rec is None or tensors <= 0:
             return
+        flags = (rec.nonfinite, rec.saturated)
         rec.add([1.0, sums[layout.STEP_TIME] / tensors, *sums[2:layout.length]], layout)
         rec.tensors = tensors
+        self._count_flags(rec, flags)
 
     def count(self, sent: int, dense: int) -> None:
         """Bytes handed to the framework for the step in flight, and what dense would have sent."""
@@ -298,7 +424,8 @@ class SparseStepDriver:
         gains = summary.get("gains", {}) or {}
         gain = gains.get(cf, 1.0 if cf == 1.0 else None)
         return {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
-                "bytes_dense": self.bytes_dense, "compressor": self.compressor, "policy": summary}
+                "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
+                "saturated_steps": self.saturated_steps, "compressor": self.compressor, "policy": summary}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals are the glue's)."""
@@ -308,22 +435,40 @@ class SparseStepDriver:
                 # the last two steps' statistics, not yet fed to the policy (it observes one step late)
                 "current": None if self.current is None else self.current.to_dict(),
                 "pending": None if self.pending is None else self.pending.to_dict(),
-                "last_step_time": self.last_step_time}
+                "last_step_time": self.last_step_time, "nonfinite_steps": self.nonfinite_steps,
+                "saturated_steps": self.saturated_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> bool:
-        """Restore from `state_dict()`; returns whether a step was in flight (its statistics are kept)."""
+        """Restore from `state_dict()`; returns whether a step was in flight (its statistics are kept).
+
+        Everything is validated first (a copy of the policy loads the policy state); on any error a
+        ValueError is raised and nothing of this driver has changed.
+        """
+        try:
+            return self._load(state)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a valid compression state: {type(exc).__name__}: {exc}") from exc
+
+    def _load(self, state: Mapping[str, Any]) -> bool:
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping, got {type(state).__name__}")
         if state.get("version") != CF_POLICY_STATE_VERSION or state.get("compressor") != self.compressor:
             raise ValueError(f"state is for compressor {state.get('compressor')!r} version "
                              f"{state.get('version')!r}; this is {self.compressor!r} v{CF_POLICY_STATE_VERSION}")
-        self.policy.load_state_dict(state["policy"])
-        self.seed = int(state["seed"])
-        self.bytes_sent = int(state.get("bytes_sent", 0))
-        self.bytes_dense = int(state.get("bytes_dense", 0))
-        self.step = int(state.get("step", 0))
+        policy = copy.deepcopy(self.policy)
+        policy.load_state_dict(state["policy"])
+        seed = _check_int("seed", state["seed"], -(2 ** 63))
+        counters = {name: _check_int(name, state.get(name, 0), 0)
+                    for name in ("bytes_sent", "bytes_dense", "step", "nonfinite_steps", "saturated_steps")}
+        current = StepRecord.from_dict(state.get("current"))
+        pending = StepRecord.from_dict(state.get("pending"))
+        last_step_time = _check_real("last_step_time", state.get("last_step_time", 0.0), 0.0)
+        # validated: apply
+        self.policy, self.seed = policy, seed
+        for name, v in counters.items():
+            setattr(self, name, v)
         self.reset()
-        self.current = StepRecord.from_dict(state.get("current"))
-        self.pending = StepRecord.from_dict(state.get("pending"))
-        self.last_step_time = float(state.get("last_step_time", 0.0))
+        self.current, self.pending, self.last_step_time = current, pending, last_step_time
         return self.current is not None
 
 
@@ -344,6 +489,7 @@ class QuantStepDriver:
         self.step = 0
         self.bytes_sent = 0
         self.bytes_dense = 0
+        self.nonfinite_steps = 0
         self.policy: DqsgdPolicy | None = None
         self._dq = dict(dqsgd) if dqsgd is not None else None
         if self._dq is not None:
@@ -368,15 +514,16 @@ class QuantStepDriver:
         """Forget the step in flight (elastic reset); policy state stays."""
         self._sq = 0.0
         self._have_sq = False
+        self._nonfinite = False
         self._numel = 0
         self.lr: float | None = None
 
     def begin_step(self, world: int) -> int:
-        """A new step begins: observe the last one (DQ-SGD), return this step's bits."""
-        if self.step > 0 and self._have_sq:
+        """A new step begins: observe the last one (DQ-SGD; not a non-finite one), return this step's bits."""
+        if self.step > 0 and self._have_sq and not self._nonfinite:
             self._observe(self._sq, world)
         self.step += 1
-        self._sq, self._have_sq, self._numel = 0.0, False, 0
+        self._sq, self._have_sq, self._nonfinite, self._numel = 0.0, False, False, 0
         self.bits = self._plan_bits()
         return self.bits
 
@@ -414,7 +561,14 @@ class QuantStepDriver:
             self.add_sq_sum(reduced_sq * world / reduced_one)
 
     def add_sq_sum(self, sq_sum: float) -> None:
-        """||x||^2 summed over ranks (and tensors), for the step in flight."""
+        """||x||^2 summed over ranks (and tensors), for the step in flight; inf/NaN marks it non-finite."""
+        if not math.isfinite(sq_sum):
+            if not self._nonfinite:
+                self.nonfinite_steps += 1
+                log.warning("crossover: step %d has a non-finite gradient norm (inf/NaN on some rank): "
+                            "DQ-SGD skips it", self.step)
+            self._nonfinite = True
+            return
         self._sq += sq_sum
         self._have_sq = True
 
@@ -425,7 +579,8 @@ class QuantStepDriver:
     def stats(self) -> dict[str, Any]:
         """Cumulative telemetry of this rank, with the bits of the step in flight."""
         out: dict[str, Any] = {"step": self.step, "bits": self.bits, "compression_factor": 32.0 / self.bits,
-                               "gain": None, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense}
+                               "gain": None, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
+                               "nonfinite_steps": self.nonfinite_steps}
         if self.adaptive:
             out["policy"] = None if self.policy is None else self.policy.summary()
         return out
@@ -433,15 +588,26 @@ class QuantStepDriver:
     def state_dict(self) -> dict[str, Any]:
         return {"version": QUANT_STATE_VERSION, "step": self.step, "bits": self.bits,
                 "policy": None if self.policy is None else self.policy.state_dict(),
-                "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense}
+                "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
+                "nonfinite_steps": self.nonfinite_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != QUANT_STATE_VERSION:
-            raise ValueError(f"unsupported quantized compression state version {state.get('version')!r}")
-        pol = state.get("policy")
-        self.policy = None if pol is None else DqsgdPolicy.from_state_dict(pol)
-        self.step, self.bits = int(state["step"]), int(state["bits"])
-        self.bytes_sent, self.bytes_dense = int(state["bytes_sent"]), int(state["bytes_dense"])
+        """Restore from `state_dict()`; validated first, ValueError and no change on bad state."""
+        try:
+            if not isinstance(state, Mapping) or state.get("version") != QUANT_STATE_VERSION:
+                raise ValueError(f"unsupported quantized compression state version "
+                                 f"{getattr(state, 'get', lambda _: None)('version')!r}")
+            pol = state.get("policy")
+            policy = None if pol is None else DqsgdPolicy.from_state_dict(pol)
+            step = _check_int("step", state["step"], 0)
+            bits = _check_int("bits", state["bits"], MIN_BITS)
+            if bits > MAX_BITS:
+                raise ValueError(f"bits must be in [{MIN_BITS}, {MAX_BITS}], got {bits}")
+            counters = [_check_int(n, state.get(n, 0), 0) for n in ("bytes_sent", "bytes_dense", "nonfinite_steps")]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a valid quantized compression state: {type(exc).__name__}: {exc}") from exc
+        self.policy, self.step, self.bits = policy, step, bits
+        self.bytes_sent, self.bytes_dense, self.nonfinite_steps = counters
         self.reset()
 
 

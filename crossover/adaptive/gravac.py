@@ -438,7 +438,7 @@ class GravacPolicy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
         check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
-        self._s = _State(
+        st = _State(
             floor=float(state["floor"]),
             scale=float(state["scale"]),
             candidate=float(state["candidate"]),
@@ -452,6 +452,26 @@ class GravacPolicy:
                 for cf, n, t, g, c in state["throughput"]
             },
         )
+        self._check_state(st)
+        self._s = st
+
+    def _check_state(self, s: _State) -> None:
+        """Raise ValueError for a loaded state no run of this policy could reach (nothing is applied)."""
+        if not (_is_real(s.floor) and 1.0 <= s.floor <= self._cf_max):
+            raise ValueError(f"GravacPolicy state: floor {s.floor!r} outside [1, cf_max={self._cf_max:g}]")
+        if not (_is_real(s.candidate) and s.floor <= s.candidate <= self._cf_max):
+            raise ValueError(f"GravacPolicy state: candidate {s.candidate!r} outside [floor, cf_max]")
+        if not (_is_real(s.scale) and s.scale >= 1.0):
+            raise ValueError(f"GravacPolicy state: scale {s.scale!r} must be a finite number >= 1")
+        if min(s.step, s.window_step, s.windows) < 0:
+            raise ValueError("GravacPolicy state: negative step counters")
+        for cf, g in s.gains.items():
+            if not (_is_real(cf) and cf >= 1 and _finite_nonneg(g.value) and g.count >= 0):
+                raise ValueError(f"GravacPolicy state: bad gain entry {cf!r}: {g!r}")
+        for cf, t in s.throughput.items():
+            if not (_is_real(cf) and cf >= 1 and all(_finite_nonneg(v) for v in (t.samples, t.time_s, t.gain_sum))
+                    and t.count >= 0):
+                raise ValueError(f"GravacPolicy state: bad throughput entry {cf!r}: {t!r}")
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> GravacPolicy:

@@ -45,4 +45,7 @@ class StaticPolicy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("kind") != "static" or float(state.get("cf", -1)) != self._cf:
             raise ValueError(f"state is not a StaticPolicy(cf={self._cf}) state: {dict(state)!r}")
-        self._step = int(state["step"])
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"StaticPolicy state: step must be an int >= 0, got {step!r}")
+        self._step = step

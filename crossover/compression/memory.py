@@ -36,8 +36,22 @@ class ErrorFeedback:
         return {k: v.clone() for k, v in self._residuals.items()}
 
     def load(self, residuals: Mapping[str, torch.Tensor]) -> None:
-        """Replace every residual by a copy of `residuals`."""
+        """Replace every residual by a copy of `residuals` (call `validate` first)."""
         self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+
+    def validate(self, residuals: object) -> None:
+        """Raise ValueError unless `residuals` can be loaded: a mapping of str keys to finite floating
+        tensors, each with the size of this memory's residual of the same key when it has one."""
+        if not isinstance(residuals, Mapping):
+            raise ValueError(f"residuals must be a mapping of key -> tensor, got {type(residuals).__name__}")
+        for k, v in residuals.items():
+            if not isinstance(k, str) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ValueError(f"residual {k!r} must be a floating tensor under a str key, got {type(v).__name__}")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"residual {k!r} holds inf/NaN values")
+            have = self._residuals.get(k)
+            if have is not None and have.numel() != v.numel():
+                raise ValueError(f"residual {k!r} has {v.numel()} elements; this run's tensor has {have.numel()}")
 
     def keys(self) -> list[str]:
         return list(self._residuals)

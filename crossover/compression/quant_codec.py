@@ -11,13 +11,14 @@ values by allreduce (summable; wins for large worlds), or dense fp32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from crossover.adaptive.dqsgd import levels_for_bits
-from crossover.adaptive.driver import QUANT_STATS_LEN, shared_seed
+from crossover.adaptive.driver import QUANT_STATS_LEN, clamp_stat, shared_seed
 
 from . import cost_model, kernels, quantize
 from .collectives import Collectives
@@ -48,6 +49,7 @@ class QuantCtx:
     bits: int
     handle: Any = None
     seg: int = 0
+    residual: torch.Tensor | None = None  # reset if the step turns out non-finite
 
 
 class QuantCodec:
@@ -75,11 +77,13 @@ class QuantCodec:
             x = residual
         else:
             sq = kernels.sumsq(x)
+        if not math.isfinite(sq):  # inf/NaN here: send zeros and the non-finite ||x||^2, which marks the
+            x = torch.zeros_like(x)  # step on every rank (decode); a rare path, so the copy is fine
         scale = quantize.absmax(x) or 1.0  # an all-zero tensor quantizes to zeros at any scale
         seed = shared_seed(self.seed, step, f"{key}:{comm.rank()}")  # independent rounding per rank
-        stats = torch.tensor([1.0, sq], dtype=torch.float32)
+        stats = torch.tensor([1.0, clamp_stat(sq)], dtype=torch.float32)  # sq is float64: clamp to fit
         kind = self.transport if self.transport != "auto" else choose_quant_transport(numel, bits, comm.size())
-        ctx = QuantCtx(kind=kind, key=key, shape=tensor.shape, numel=numel, bits=bits)
+        ctx = QuantCtx(kind=kind, key=key, shape=tensor.shape, numel=numel, bits=bits, residual=residual)
         if kind == cost_model.DENSE:
             payload = torch.cat([x, stats])
             if residual is not None:
@@ -90,7 +94,7 @@ class QuantCodec:
             lev = self._buf(key, "lev", numel, torch.int32)
             quantize.quantize_levels(x, scale, s, seed, lev, residual_out=residual)
             quantize.dequantize_levels(lev, scale, s, vals)
-            stats[1] = min(sq / numel, _FP16_MEAN_SQ_MAX)  # a mean square: scaled back in decode
+            stats[1] = clamp_stat(sq / numel, _FP16_MEAN_SQ_MAX)  # a mean square: scaled back in decode
             payload = torch.cat([vals.half(), stats.half()])
             ctx.kind = "ar"
             return payload, ctx, payload.numel() * 2
@@ -104,7 +108,21 @@ class QuantCodec:
 
     def decode(self, reduced: torch.Tensor, ctx: QuantCtx,
                comm: Collectives) -> tuple[torch.Tensor, tuple[float, float]]:
-        """(the averaged gradient in the tensor's shape, the reduced (1, ||x||^2) as plain numbers)."""
+        """(the averaged gradient in the tensor's shape, the reduced (1, ||x||^2) as plain numbers).
+
+        A non-finite reduced ||x||^2 (inf/NaN on some rank; identical on every rank) resets this
+        tensor's residual and decodes to NaN everywhere, so a GradScaler-style check skips the step.
+        """
+        out, (one, sq) = self._decode(reduced, ctx, comm)
+        if not math.isfinite(sq):
+            if ctx.residual is not None:
+                ctx.residual.zero_()
+            out.fill_(float("nan"))
+        ctx.residual = None
+        return out, (one, sq)
+
+    def _decode(self, reduced: torch.Tensor, ctx: QuantCtx,
+                comm: Collectives) -> tuple[torch.Tensor, tuple[float, float]]:
         world = comm.size()
         stats = reduced[-QUANT_STATS_LEN:].float()
         one = float(stats[0])  # 1 for Average, world size for Sum

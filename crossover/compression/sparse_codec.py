@@ -13,6 +13,8 @@ random-k), an error-feedback memory (`memory.py`), transports (`transport.py`) b
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from crossover.adaptive.driver import SparseStatsLayout, StepRecord, shared_seed
@@ -64,12 +66,15 @@ class SparseCodec:
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes]),
                              dtype=torch.float32, device=grad.device)
         ctx = transport.SparseCtx(kind=transport.DENSE, key=key, shape=tensor.shape, numel=numel,
-                                  nstats=layout.length)
+                                  nstats=layout.length, grad=grad, residual=residual,
+                                  local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         send_cf = rec.sent_cf
         k = k_for(numel, send_cf) if send_cf > 1 else numel
         kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices)
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
             sel = apply_mask(sel, masks[send_cf], residual)
+        if sel is not None:
+            ctx.idx, ctx.val = sel.idx, sel.val  # what this rank sent (to undo a non-finite step)
         if kind == cost_model.DENSE:
             if sel is not None and residual is not None:  # undo the selection: send acc whole, residual -> 0
                 kernels.scatter_add(residual, sel.idx, sel.val)
@@ -79,17 +84,25 @@ class SparseCodec:
                 payload = transport.send_dense(grad, stats)
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.ALLREDUCE:
-            ctx.kind, ctx.idx, ctx.k = transport.SHARED, sel.idx, sel.idx.numel()
+            ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
             payload = transport.send_shared(sel, stats)
             return payload, ctx, payload.numel() * 4
-        packed = self._packed_buf(key, sel.idx.numel(), grad.device)
-        payload, ctx.handle = transport.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed)
+        packed = self._packed_buf(key, sel.idx.numel() + transport.HEADER_ROWS, grad.device)
+        payload, ctx.handle = transport.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
+                                                       tensor.shape)
         ctx.kind = transport.GATHER
         return payload, ctx, packed.numel() * 4 + stats.numel() * 4
 
     def decode(self, reduced: torch.Tensor, ctx: transport.SparseCtx,
                comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the averaged gradient in the tensor's shape, the reduced statistics vector)."""
+        """(the averaged gradient in the tensor's shape, the reduced statistics vector).
+
+        Non-finite reduced statistics (some rank's gradient had inf/NaN; identical on every rank) undo
+        this step for the tensor: its residual goes back to what it was before `encode` (or to zeros on
+        a rank whose own gradient was non-finite, or whose payload was dense and took the residual),
+        and it decodes to NaN on every rank, so that a GradScaler-style check skips the step
+        everywhere, as it would with stock Horovod.
+        """
         stats = transport.split_stats(reduced, ctx.nstats)
         out = None
         if ctx.kind != transport.DENSE:
@@ -98,7 +111,29 @@ class SparseCodec:
                 out = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
                 self._outputs[ctx.key] = out
         flat = transport.receive(reduced, ctx, comm, out)
+        if not bool(torch.isfinite(stats).all()):
+            self._undo(ctx)
+            flat.fill_(float("nan"))
+        ctx.grad = ctx.residual = ctx.val = None  # drop references to the step's tensors
         return flat.view(ctx.shape), stats
+
+    @staticmethod
+    def _undo(ctx: transport.SparseCtx) -> None:
+        """Put the tensor's residual back as it was before this step's `encode`, without a copy.
+
+        After encode the residual is `acc - sent` with `acc = grad + e_old`, so `e_old = residual +
+        sent - grad` (up to float rounding). That needs this rank's gradient to be finite, and a sparse
+        send (a dense send emptied the residual into the payload, which the reduction overwrote): in the
+        other cases the residual is reset to zeros.
+        """
+        res = ctx.residual
+        if res is None:
+            return
+        if not ctx.local_finite or ctx.kind == transport.DENSE or ctx.idx is None:
+            res.zero_()
+            return
+        kernels.scatter_add(res, ctx.idx, ctx.val.contiguous())
+        res.sub_(ctx.grad)
 
     def _packed_buf(self, key: str, count: int, device: torch.device) -> torch.Tensor:
         buf = self._packed.get(key)

@@ -12,6 +12,9 @@ Sum), and applies it to allgathered values, which the host never scaled.
 
 from __future__ import annotations
 
+import math
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +40,13 @@ class SparseCtx:
     numel: int
     nstats: int
     handle: Any = None
-    idx: torch.Tensor | None = None
+    idx: torch.Tensor | None = None  # the indices this rank sent (SHARED: every rank's)
     k: int = 0
+    # to undo a non-finite step (SparseCodec.decode): references, no copies; dropped after decode
+    val: torch.Tensor | None = None  # the values this rank sent
+    grad: torch.Tensor | None = None  # this rank's flat gradient (its storage, as compress saw it)
+    residual: torch.Tensor | None = None
+    local_finite: bool = True  # this rank's gradient (+ residual) statistics were finite
 
 
 def send_dense(values: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
@@ -51,15 +59,50 @@ def send_shared(sel: Selection, stats: torch.Tensor) -> torch.Tensor:
     return torch.cat([sel.val, stats])
 
 
+HEADER_ROWS = 2  # per rank, before its pairs: (count, numel), (shape hash, ndim)
+
+
+def shape_hash(shape: Sequence[int]) -> int:
+    """A 31-bit fingerprint of a tensor shape that every rank computes alike."""
+    return zlib.crc32(repr(tuple(int(d) for d in shape)).encode()) & 0x7FFFFFFF
+
+
 def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name: str,
-                   packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                   packed: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, Any]:
     """Rank-specific (index, value bits) pairs by allgather; the host reduces only the statistics.
 
-    `packed` is a reusable int32 buffer of shape (count, 2).
+    `packed` is a reusable int32 buffer of shape (HEADER_ROWS + count, 2). The header rows carry the
+    pair count and the tensor's numel and shape, so that `receive` can split the ranks' segments and
+    refuse ranks that submitted the same name with different shapes (Horovod's own check only sees
+    the statistics vector, which has the same shape everywhere).
     """
-    packed[:, 0] = sel.idx
-    packed[:, 1] = sel.val.view(torch.int32)
+    count = sel.idx.numel()
+    packed[0, 0], packed[0, 1] = count, math.prod(shape)
+    packed[1, 0], packed[1, 1] = shape_hash(shape), len(shape)
+    packed[HEADER_ROWS:, 0] = sel.idx
+    packed[HEADER_ROWS:, 1] = sel.val.view(torch.int32)
     return stats, comm.allgather_async(packed, name)
+
+
+def _gathered_pairs(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> torch.Tensor:
+    """Every rank's (index, value bits) pairs, headers removed, after checking the ranks' shapes."""
+    heads = []
+    off = 0
+    for _ in range(world):  # one small header read per rank
+        if off + HEADER_ROWS > gathered.shape[0]:
+            raise RuntimeError(f"allgather of {ctx.key!r}: truncated payload (ranks disagree on the transport)")
+        (count, numel), (h, ndim) = gathered[off:off + HEADER_ROWS].tolist()
+        heads.append((off + HEADER_ROWS, count, numel, h, ndim))
+        off += HEADER_ROWS + count
+    own = (ctx.numel, shape_hash(ctx.shape), len(ctx.shape))
+    for r, (_, _, numel, h, ndim) in enumerate(heads):
+        if (numel, h, ndim) != own:
+            raise RuntimeError(f"Mismatched ALLREDUCE tensor shapes: {ctx.key!r} has shape {tuple(ctx.shape)} "
+                               f"({ctx.numel} elements) here, but rank {r} of the process set sent {numel} "
+                               f"elements in {ndim} dimensions (crossover compression, allgather transport)")
+    if off != gathered.shape[0]:
+        raise RuntimeError(f"allgather of {ctx.key!r}: {gathered.shape[0] - off} unexpected trailing rows")
+    return torch.cat([gathered[start:start + count] for start, count, *_ in heads])
 
 
 def split_stats(reduced: torch.Tensor, nstats: int) -> torch.Tensor:
@@ -75,8 +118,9 @@ def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch
     if ctx.kind == SHARED:
         kernels.zero_scatter(out, ctx.idx, reduced[:ctx.k].contiguous())
         return out
-    weight = float(split_stats(reduced, ctx.nstats)[0]) / comm.size()
-    gathered = comm.wait(ctx.handle)
+    world = comm.size()
+    weight = float(split_stats(reduced, ctx.nstats)[0]) / world
+    gathered = _gathered_pairs(comm.wait(ctx.handle), ctx, world)
     idx = gathered[:, 0].contiguous()
     val = gathered[:, 1].contiguous().view(torch.float32)
     kernels.zero_scatter(out, idx, val, weight)  # indices of several ranks add up
