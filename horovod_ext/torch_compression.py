@@ -130,21 +130,19 @@ class _SparseCompression(TorchHookBase):
 class GravacCompression(_SparseCompression):
     """GraVAC: sparsify with `compressor`, adapting the compression factor during training.
 
-    Parameters follow the paper (docs/gravac.md): cf_min, cf_max, epsilon, omega, window, scaling,
-    warmup_steps, ewma_alpha. `enabled=False` turns compression off (exact dense allreduce).
-    `min_compress_numel`: smaller tensors (biases, norms) go dense. `log_csv`: a path, may contain
-    `{rank}`, that gets one row per step.
+    `**gravac`: any setting of `crossover.adaptive.gravac.GravacPolicy` (cf_min, cf_max, epsilon, omega,
+    window, gain, search, cf_step, reopen_drift, warmup_steps, ewma_alpha, scaling); what is not given
+    keeps the policy's default, so `AdaptiveCompression()` is exactly the policy's defaults (docs/gravac.md).
+    `enabled=False` turns compression off (exact dense allreduce). `min_compress_numel`: smaller
+    tensors (biases, norms) go dense. `log_csv`: a path (`{rank}` allowed; one file per rank) that gets
+    one row per step.
     """
 
-    def __init__(self, compressor: str = "topk", *, cf_min: float = 10.0, cf_max: float = 1000.0,
-                 epsilon: float = 0.9, omega: float = 0.01, window: int = 500,
-                 scaling: str = "exponential", warmup_steps: int = 0, ewma_alpha: float = 0.1,
-                 error_feedback: bool = True, min_compress_numel: int = 16384, enabled: bool = True,
-                 seed: int = 0, log_csv: str | None = None) -> None:
-        pol = gravac_or_dense(enabled, cf_min=cf_min, cf_max=cf_max, epsilon=epsilon, omega=omega,
-                              window=window, scaling=scaling, warmup_steps=warmup_steps, ewma_alpha=ewma_alpha)
-        super().__init__(compressor, pol, error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
+    def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
+                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, **gravac: Any) -> None:
+        pol = gravac_or_dense(enabled, **gravac)
+        super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
+                         seed=seed, log_csv=log_csv)
         self.enabled = bool(enabled)
 
 

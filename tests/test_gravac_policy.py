@@ -14,6 +14,15 @@ from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats
 GainFn = Callable[[float, int], float]  # (cf, step) -> gain in [0, 1]
 TimeFn = Callable[[float], float]  # sent cf -> step time in seconds
 
+#: The paper's floor / candidate search with the settings that were this module's defaults before the
+#: ladder search: the tests of that algorithm keep their intent by asking for it explicitly.
+PAPER = {"search": "paper", "gain": "norm", "epsilon": 0.9, "omega": 0.01, "window": 500}
+
+
+def paper(**kwargs: object) -> GravacPolicy:
+    """The paper search with the old defaults, overridden by ``kwargs``."""
+    return GravacPolicy(**{**PAPER, **kwargs})
+
 
 def knee_gain(cf: float, step: int = 0) -> float:
     """Nothing lost up to CF 100, then the kept norm falls off."""
@@ -94,6 +103,12 @@ def drive_noisy(policy: GravacPolicy, stream: list[tuple[float, float, float]], 
         ({"ewma_alpha": 1.01}, r"ewma_alpha must be in \(0, 1\]"),
         ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
         ({"warmup_steps": 1.0}, "warmup_steps must be an int >= 0"),
+        ({"window": "often"}, "window must be an int >= 1 or 'auto'"),
+        ({"gain": "cosine"}, "gain must be one of delivered, authors, norm; got 'cosine'"),
+        ({"search": "bisect"}, "search must be one of ladder, paper; got 'bisect'"),
+        ({"cf_step": 1.0}, "cf_step must be a finite number > 1"),
+        ({"cf_step": float("inf")}, "cf_step must be a finite number > 1"),
+        ({"reopen_drift": -0.1}, "reopen_drift must be a finite number >= 0"),
     ],
 )
 def test_invalid_parameters_raise_value_error_naming_them(kwargs: dict, message: str) -> None:
@@ -102,17 +117,26 @@ def test_invalid_parameters_raise_value_error_naming_them(kwargs: dict, message:
 
 
 def test_defaults_and_edge_values_are_accepted() -> None:
+    # The defaults were chosen with benchmarks/sim_gravac.py (docs/gravac.md has the table).
     assert GravacPolicy().config == {
         "cf_min": 10.0,
         "cf_max": 1000.0,
-        "epsilon": 0.9,
-        "omega": 0.01,
-        "window": 500,
+        "epsilon": 0.5,
+        "omega": 0.1,
+        "window": "auto",
         "scaling": "exponential",
         "warmup_steps": 0,
         "ewma_alpha": 0.1,
+        "gain": "delivered",
+        "search": "ladder",
+        "cf_step": 10.0,
+        "reopen_drift": 0.25,
     }
     GravacPolicy(cf_min=1, cf_max=1, epsilon=1.0, omega=0.0, window=1, ewma_alpha=1.0, scaling="geometric")
+    for search in ("ladder", "paper"):
+        only_dense = GravacPolicy(cf_min=1, cf_max=1, search=search)
+        drive(only_dense, 20)
+        assert only_dense.plan().send_cf == 1.0
 
 
 def test_parameters_are_keyword_only() -> None:
@@ -124,7 +148,7 @@ def test_parameters_are_keyword_only() -> None:
 
 
 def test_initial_plan_probes_floor_and_candidate_and_sends_dense_until_measured() -> None:
-    policy = GravacPolicy()
+    policy = paper()
     plan = policy.plan()
     assert plan == Plan(send_cf=1.0, probe_cfs=(10.0, 20.0))
     assert plan.dense
@@ -134,7 +158,7 @@ def test_initial_plan_probes_floor_and_candidate_and_sends_dense_until_measured(
 
 
 def test_warmup_sends_dense_while_still_probing_gains() -> None:
-    policy = GravacPolicy(warmup_steps=5, window=10)
+    policy = paper(warmup_steps=5, window=10)
     plans = drive(policy, 5)
     assert all(p.send_cf == 1.0 and p.probe_cfs == (10.0, 20.0) for p in plans)
     assert policy.gains == {10.0: 1.0, 20.0: 1.0}  # measured during warm-up
@@ -149,7 +173,7 @@ def test_warmup_sends_dense_while_still_probing_gains() -> None:
 
 
 def test_explores_raises_floor_and_settles_exponential() -> None:
-    policy = GravacPolicy(window=50)
+    policy = paper(window=50)
     plans = drive(policy, 1000)
     # floor 10 -> 20 -> 80 while nothing is lost; candidate 1000 loses too much, search exhausted.
     assert policy.settled
@@ -164,7 +188,7 @@ def test_explores_raises_floor_and_settles_exponential() -> None:
 
 def test_settles_on_the_lower_cf_when_two_best_throughputs_are_within_omega() -> None:
     # Communication is hidden above CF 20: compressing further buys no throughput.
-    policy = GravacPolicy(window=50)
+    policy = paper(window=50)
     drive(policy, 400, time=lambda cf: 0.1 if cf >= 20 else 0.1 + 1.0 / cf)
     assert policy.settled
     assert policy.floor_cf == policy.candidate_cf == 20.0
@@ -173,14 +197,14 @@ def test_settles_on_the_lower_cf_when_two_best_throughputs_are_within_omega() ->
 
 def test_never_exceeds_cf_max() -> None:
     for scaling in ("exponential", "geometric"):
-        policy = GravacPolicy(cf_min=3, cf_max=50, window=20, scaling=scaling)
+        policy = paper(cf_min=3, cf_max=50, window=20, scaling=scaling)
         plans = drive(policy, 2000, gain=lambda cf, t: 1.0)
         assert all(p.send_cf <= 50 and max(p.probe_cfs) <= 50 for p in plans)
         assert policy.settled and policy.floor_cf == 50.0  # lossless everywhere: go to the top
 
 
 def test_cf_min_equal_cf_max_probes_one_cf() -> None:
-    policy = GravacPolicy(cf_min=100, cf_max=100, window=5)
+    policy = paper(cf_min=100, cf_max=100, window=5)
     plans = drive(policy, 30)
     assert plans[1:] == [Plan(send_cf=100.0, probe_cfs=(100.0,))] * 29
 
@@ -193,7 +217,7 @@ def test_low_gains_fall_back_to_floor_then_dense() -> None:
             return 0.97 if cf == 10 else 0.5  # candidate loses too much, floor still fine
         return 0.3  # everything loses too much
 
-    policy = GravacPolicy(window=10_000)  # no search decision in this test
+    policy = paper(window=10_000)  # no search decision in this test
     sent = [p.send_cf for p in drive(policy, 300, gain=gain)]
     assert sent[1:100] == [20.0] * 99
     assert sent[120:200] == [10.0] * 80
@@ -204,7 +228,7 @@ def test_low_gains_fall_back_to_floor_then_dense() -> None:
 
 
 def test_settled_cf_still_falls_back_to_dense_when_its_gain_drops() -> None:
-    policy = GravacPolicy(window=50)
+    policy = paper(window=50)
     drive(policy, 400)
     assert policy.settled and policy.send_cf == 80.0
     drive(policy, 100, gain=lambda cf, t: 0.2)
@@ -212,7 +236,7 @@ def test_settled_cf_still_falls_back_to_dense_when_its_gain_drops() -> None:
 
 
 def test_gain_is_sqrt_of_norm_ratio_and_ewma_uses_alpha() -> None:
-    policy = GravacPolicy(ewma_alpha=0.25, window=10_000)
+    policy = paper(ewma_alpha=0.25, window=10_000)
     policy.observe(StepStats(1.0, 16.0, {10.0: 4.0, 20.0: 1.0}, 0.1, 8))
     assert policy.gains == {10.0: 0.5, 20.0: 0.25}  # first sample initialises the EWMA
     policy.observe(StepStats(1.0, 16.0, {10.0: 16.0, 20.0: 25.0}, 0.1, 8))
@@ -221,7 +245,7 @@ def test_gain_is_sqrt_of_norm_ratio_and_ewma_uses_alpha() -> None:
 
 
 def test_bad_numbers_are_ignored_not_fatal() -> None:
-    policy = GravacPolicy(window=10_000)
+    policy = paper(window=10_000)
     policy.observe(StepStats(1.0, 4.0, {10.0: 4.0, 20.0: 4.0}, 0.2, 32))
     before = policy.state_dict()
     for bad in (
@@ -237,7 +261,7 @@ def test_bad_numbers_are_ignored_not_fatal() -> None:
 
 
 def test_search_waits_for_the_candidate_to_be_measured() -> None:
-    policy = GravacPolicy(window=3)
+    policy = paper(window=3)
     for _ in range(3):  # only the floor is ever reported
         policy.observe(StepStats(1.0, 4.0, {10.0: 4.0}, 0.2, 32))
     assert (policy.floor_cf, policy.candidate_cf) == (10.0, 20.0)
@@ -257,7 +281,7 @@ def test_step_stats_keeps_a_frozen_copy() -> None:
 
 def candidates_per_window(scaling: str, windows: int) -> list[float]:
     """Candidates seen window after window when the floor is never raised (candidate always lossy)."""
-    policy = GravacPolicy(cf_min=10, cf_max=1e6, window=4, scaling=scaling)
+    policy = paper(cf_min=10, cf_max=1e6, window=4, scaling=scaling)
     seen = [policy.candidate_cf]
     for _ in range(windows):
         drive(policy, 4, gain=lambda cf, t: 1.0 if cf == 10 else 0.5)
@@ -278,7 +302,7 @@ def test_geometric_scaling_doubles_cf_s() -> None:
 def test_floor_raises_follow_the_scaling() -> None:
     floors = {}
     for scaling in ("exponential", "geometric"):
-        policy = GravacPolicy(window=10, scaling=scaling)
+        policy = paper(window=10, scaling=scaling)
         seen = []
         for _ in range(4):
             drive(policy, 10, gain=lambda cf, t: 1.0, time=lambda cf: 1.0 / cf)
@@ -293,7 +317,7 @@ def test_floor_raises_follow_the_scaling() -> None:
 
 def test_determinism_two_instances_same_stream_1000_steps() -> None:
     stream = noisy_stream(seed=7, steps=1000)
-    a, b = GravacPolicy(window=100), GravacPolicy(window=100)
+    a, b = paper(window=100), paper(window=100)
     plans_a, plans_b = drive_noisy(a, stream), drive_noisy(b, stream)
     assert plans_a == plans_b
     assert a.state_dict() == b.state_dict()
@@ -301,7 +325,7 @@ def test_determinism_two_instances_same_stream_1000_steps() -> None:
 
 
 def test_one_step_observation_lag_reaches_the_same_decision() -> None:
-    direct, lagged = GravacPolicy(window=50), GravacPolicy(window=50)
+    direct, lagged = paper(window=50), paper(window=50)
     drive(direct, 1000)
     drive(lagged, 1000, lag=1)
     assert lagged.settled and lagged.floor_cf == direct.floor_cf == 80.0
@@ -310,12 +334,12 @@ def test_one_step_observation_lag_reaches_the_same_decision() -> None:
 @pytest.mark.parametrize("cut", [1, 37, 150, 300])
 def test_state_round_trip_gives_identical_future_plans(cut: int) -> None:
     stream = noisy_stream(seed=11, steps=cut + 400)
-    original = GravacPolicy(window=60, warmup_steps=20, scaling="geometric")
+    original = paper(window=60, warmup_steps=20, scaling="geometric")
     drive_noisy(original, stream[:cut])
     saved = json.loads(json.dumps(original.state_dict(), allow_nan=False))  # plain JSON values
     restored = GravacPolicy.from_state_dict(saved)
     assert restored.summary() == original.summary()
-    into_existing = GravacPolicy(window=60, warmup_steps=20, scaling="geometric")
+    into_existing = paper(window=60, warmup_steps=20, scaling="geometric")
     into_existing.load_state_dict(saved)
     future = stream[cut:]
     expected = drive_noisy(original, future, cut)
@@ -325,15 +349,15 @@ def test_state_round_trip_gives_identical_future_plans(cut: int) -> None:
 
 
 def test_load_state_dict_rejects_other_config_or_version() -> None:
-    state = GravacPolicy(window=60).state_dict()
+    state = paper(window=60).state_dict()
     with pytest.raises(ValueError, match="window: saved 60 vs 500"):
-        GravacPolicy().load_state_dict(state)
+        paper().load_state_dict(state)
     with pytest.raises(ValueError, match="unsupported GravacPolicy state version"):
-        GravacPolicy(window=60).load_state_dict({**state, "version": 99})
+        paper(window=60).load_state_dict({**state, "version": 99})
 
 
 def test_summary_is_read_only_and_json_serialisable() -> None:
-    policy = GravacPolicy(window=50)
+    policy = paper(window=50)
     drive(policy, 120)
     before = policy.state_dict()
     summary = policy.summary()
@@ -351,3 +375,242 @@ def test_summary_is_read_only_and_json_serialisable() -> None:
         "settled",
         "throughput",
     }
+
+
+# ---------------------------------------------------------------- gain definitions
+
+
+def full_stats(sent: float, probes: dict[float, float], time: float = 0.1, grad_sq: float = 4.0,
+               dense_sq: float = 16.0, samples: float = 64) -> StepStats:
+    """Every field the glue reports; ``probes`` maps cf -> ||C_cf(g+e)|| (one tensor, one rank)."""
+    return StepStats(
+        sent_cf=sent,
+        dense_sq_norm=dense_sq,
+        compressed_sq_norms={cf: v * v for cf, v in probes.items()},
+        step_time_s=time,
+        samples=samples,
+        grad_sq_norm=grad_sq,
+        grad_norm_sum=math.sqrt(grad_sq),
+        dense_norm_sum=math.sqrt(dense_sq),
+        compressed_norm_sums=dict(probes),
+    )
+
+
+def test_gain_definitions_on_one_step() -> None:
+    # ||g|| = 2, ||g + e|| = 4, ||C_10(g + e)|| = 3, ||C_100(g + e)|| = 1
+    stats = full_stats(1.0, {10.0: 3.0, 100.0: 1.0})
+    expected = {
+        "norm": {10.0: 0.75, 100.0: 0.25},  # sqrt(sum ||C||^2 / sum ||g+e||^2)
+        "authors": {10.0: 1.5, 100.0: 0.5},  # sum ||C|| / sum ||g||: exceeds 1 when the residual is large
+        "delivered": {10.0: 1.0, 100.0: 0.5},  # sqrt(sum ||C||^2 / sum ||g||^2), at most 1
+    }
+    for gain, want in expected.items():
+        policy = paper(gain=gain, window=10_000)
+        policy.observe(stats)
+        assert policy.gains == pytest.approx(want), gain
+
+
+def test_authors_and_delivered_smooth_numerator_and_denominator_separately() -> None:
+    for gain in ("authors", "delivered"):
+        policy = paper(gain=gain, ewma_alpha=0.5, window=10_000)
+        policy.observe(full_stats(1.0, {10.0: 1.0}, grad_sq=1.0))
+        policy.observe(full_stats(1.0, {10.0: 3.0}, grad_sq=9.0))
+        # EWMAs: numerator 1 -> 2 (authors: norms) or 1 -> 5 (delivered: squares); denominator likewise
+        assert policy.gains[10.0] == pytest.approx(1.0), gain  # ratio of EWMAs, not EWMA of ratios
+    policy = paper(gain="norm", ewma_alpha=0.5, window=10_000)
+    policy.observe(full_stats(1.0, {10.0: 1.0}, dense_sq=4.0))
+    policy.observe(full_stats(1.0, {10.0: 2.0}, dense_sq=4.0))
+    assert policy.gains[10.0] == pytest.approx(0.5 + 0.5 * (1.0 - 0.5))  # norm: EWMA of per-step ratios
+
+
+def test_missing_new_fields_mean_no_gain_measurement_not_a_crash() -> None:
+    # An older caller reports only the squared norms: "delivered" and "authors" measure nothing, and
+    # the ladder search still decides on step time alone.
+    for gain in ("delivered", "authors"):
+        policy = GravacPolicy(gain=gain)
+        drive(policy, 200, gain=lambda cf, t: 1.0, time=lambda cf: 0.02 + 1.4 / cf)
+        assert policy.gains == {}
+        assert policy.settled and policy.send_cf == 1000.0
+
+
+# ---------------------------------------------------------------- ladder search (the default)
+
+
+def ladder_stats(plan: Plan, step: int, gain: GainFn, time: TimeFn, samples: float = 64) -> StepStats:
+    """The glue's statistics for a plan: ||g|| = 2 and ||C_cf(g + e)|| = 2 * gain(cf, step)."""
+    return full_stats(plan.send_cf, {cf: 2.0 * gain(cf, step) for cf in plan.probe_cfs}, time(plan.send_cf),
+                      samples=samples)
+
+
+def drive_ladder(policy: GravacPolicy, steps: int, gain: GainFn = lambda cf, t: 1.0,
+                 time: Callable[[float, int], float] = lambda cf, t: comm_bound_time(cf), lag: int = 1,
+                 start: int = 0) -> list[Plan]:
+    """Plan, measure and observe ``steps`` steps with every StepStats field; observations ``lag`` late."""
+    plans: list[Plan] = []
+    pending: list[StepStats] = []
+    for t in range(start, start + steps):
+        plan = policy.plan()
+        plans.append(plan)
+        pending.append(ladder_stats(plan, t, gain, lambda cf, t=t: time(cf, t)))
+        while len(pending) > lag:
+            policy.observe(pending.pop(0))
+    return plans
+
+
+def sent(plans: list[Plan]) -> list[float]:
+    return [p.send_cf for p in plans]
+
+
+def test_ladder_rungs_and_auto_window() -> None:
+    assert GravacPolicy().ladder == (1.0, 10.0, 100.0, 1000.0)
+    assert GravacPolicy(cf_step=4).ladder == (1.0, 10.0, 40.0, 160.0, 640.0, 1000.0)
+    assert GravacPolicy(cf_min=100, cf_max=100).ladder == (1.0, 100.0)
+    auto = GravacPolicy()
+    assert [auto.window_at(n) for n in (0, 100, 1000, 10_000, 10**7)] == [4, 4, 20, 200, 500]
+    assert GravacPolicy(window=7).window_at(10**6) == 7
+
+
+def test_default_moves_to_a_high_cf_when_compression_pays() -> None:
+    # Communication-bound: 20 ms of compute, 1.4 s of dense communication shrinking as 1 / CF.
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 300, time=lambda cf, t: 0.02 + 1.4 / cf)
+    assert policy.settled and policy.send_cf == 1000.0
+    cfs = sent(plans)
+    assert cfs[0] == 1000.0  # the search starts at the top of the ladder: fast steps while measuring
+    assert 1.0 not in cfs and 10.0 not in cfs  # far too slow, predicted from 1000 and 100: never tried
+    assert sum(cf >= 100 for cf in cfs) == len(cfs)
+    assert cfs[20:] == [1000.0] * 280
+
+
+def test_default_prefers_the_lower_cf_when_higher_ones_buy_less_than_omega() -> None:
+    # 1 Gbit/s-like: CF 100 and 1000 within omega of each other, CF 10 clearly slower.
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 300, time=lambda cf, t: 0.02 + 0.14 / cf)
+    assert policy.settled and policy.send_cf == 100.0
+    assert sent(plans)[:15] == [1000.0] * 5 + [100.0] * 5 + [10.0] * 5  # windows of 4 observations, lag 1
+    assert sent(plans)[15:] == [100.0] * 285
+    assert policy.summary()["settled_reason"] == "time"
+
+
+@pytest.mark.parametrize(
+    "time",
+    [
+        lambda cf: 0.2 + 0.014 / cf,  # compute-bound: compressing saves under omega
+        lambda cf: 0.1 if cf == 1 else 0.11,  # compressing costs more than it saves
+    ],
+)
+def test_default_stays_dense_when_compression_cannot_pay(time: TimeFn) -> None:
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 400, time=lambda cf, t: time(cf))
+    assert policy.settled and policy.send_cf == 1.0
+    cfs = sent(plans)
+    assert cfs.index(1.0) <= 16  # one short window per rung of the ladder, then dense
+    assert cfs[20:] == [1.0] * 380
+    assert all(p.probe_cfs == () for p in plans[20:])  # settled dense: nothing probed, no compression cost
+
+
+def test_settled_plans_probe_only_the_cf_they_send() -> None:
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 0.14 / cf)
+    assert all(p.probe_cfs == (p.send_cf,) for p in plans)  # the sent CF's gain costs nothing extra
+    assert plans[-1] == Plan(send_cf=100.0, probe_cfs=(100.0,))
+
+
+def test_gain_failure_walks_down_and_retries_the_higher_cf_with_doubling_gaps() -> None:
+    # CF 1000 keeps too little early in training (epsilon 0.5), enough from step 150 on.
+    def gain(cf: float, t: int) -> float:
+        return 0.3 if cf == 1000 and t < 150 else 1.0
+
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 600, gain=gain, time=lambda cf, t: 0.02 + 1.4 / cf)
+    cfs = sent(plans)
+    trials = [t for t in range(1, len(cfs)) if cfs[t] == 1000.0 and cfs[t - 1] != 1000.0]
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert cfs[:5] == [1000.0] * 5 and cfs[5] == 100.0
+    assert len(trials) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:]))  # retried ever more rarely
+    assert policy.settled and policy.send_cf == 1000.0  # taken once it keeps enough
+    assert sum(cf == 1000.0 for cf in cfs[:150]) <= 25  # little time at the failing CF
+
+
+def test_settled_cf_losing_its_gain_reopens_the_search_below_it() -> None:
+    policy = GravacPolicy()
+    drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 0.14 / cf)
+    assert policy.send_cf == 100.0
+    plans = drive_ladder(policy, 100, gain=lambda cf, t: 0.2 if cf == 100 else 1.0,
+                         time=lambda cf, t: 0.02 + 0.14 / cf, start=100)
+    assert policy.settled and policy.send_cf == 10.0
+    assert 100.0 in sent(plans)[:30] and sent(plans)[-50:] == [10.0] * 50
+
+
+def test_step_time_drift_reopens_the_search() -> None:
+    # The link slows down tenfold at step 200: CF 1000 then pays by more than omega.
+    def time(cf: float, t: int) -> float:
+        return 0.02 + (0.14 if t < 200 else 1.4) / cf
+
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 500, time=time)
+    cfs = sent(plans)
+    assert cfs[100:200] == [100.0] * 100
+    assert policy.settled and policy.send_cf == 1000.0
+    assert cfs.index(1000.0, 100) < 220
+    assert policy.summary()["searches"] == 2
+
+
+def test_step_time_noise_within_the_drift_does_not_reopen() -> None:
+    rng = random.Random(3)
+    jitter = [rng.uniform(0.9, 1.1) for _ in range(2000)]
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 2000, time=lambda cf, t: (0.02 + 0.14 / cf) * jitter[t])
+    assert policy.summary()["searches"] == 1
+    assert sent(plans)[20:] == [100.0] * 1980
+
+
+def test_ladder_warmup_sends_dense_without_probing() -> None:
+    policy = GravacPolicy(warmup_steps=10)
+    plans = drive_ladder(policy, 40, time=lambda cf, t: 0.02 + 1.4 / cf)
+    assert plans[:11] == [Plan(send_cf=1.0, probe_cfs=())] * 11  # warm-up + one step of lag
+    assert plans[11] == Plan(send_cf=1000.0, probe_cfs=(1000.0,))
+
+
+def test_ladder_ignores_bad_numbers_and_late_observations() -> None:
+    policy = GravacPolicy()
+    before = policy.state_dict()
+    policy.observe(full_stats(1000.0, {1000.0: float("nan")}, time=float("nan")))
+    policy.observe(full_stats(1000.0, {1000.0: 1.0}, time=-1.0))
+    policy.observe(full_stats(10.0, {10.0: 1.0}))  # a CF not on trial (e.g. sent before the trial began)
+    after = policy.state_dict()
+    assert after["trial"] == before["trial"]
+    assert after["step"] == before["step"] + 3
+
+
+def test_ladder_decisions_identical_for_identical_streams_and_after_a_state_round_trip() -> None:
+    rng = random.Random(5)
+    jitter = [rng.uniform(0.9, 1.1) for _ in range(2000)]
+
+    def time(cf: float, t: int) -> float:
+        return (0.02 + (0.14 if t < 700 else 1.4) / cf) * jitter[t]
+
+    def gain(cf: float, t: int) -> float:
+        return 0.4 if cf == 1000 and t < 300 else 0.9
+
+    a, b = GravacPolicy(), GravacPolicy()
+    assert drive_ladder(a, 1500, gain, time) == drive_ladder(b, 1500, gain, time)
+    assert a.state_dict() == b.state_dict()
+    for cut in (2, 9, 13, 250, 701):  # inside trials, settled, retries, after the drift
+        original = GravacPolicy()
+        drive_ladder(original, cut, gain, time, lag=0)
+        saved = json.loads(json.dumps(original.state_dict(), allow_nan=False))
+        restored = GravacPolicy.from_state_dict(saved)
+        assert restored.summary() == original.summary()
+        future = drive_ladder(original, 800, gain, time, lag=0, start=cut)
+        assert drive_ladder(restored, 800, gain, time, lag=0, start=cut) == future, cut
+        assert restored.state_dict() == original.state_dict()
+
+
+def test_ladder_summary_is_json_serialisable() -> None:
+    policy = GravacPolicy()
+    drive_ladder(policy, 50, time=lambda cf, t: 0.02 + 0.14 / cf)
+    summary = json.loads(json.dumps(policy.summary()))
+    assert summary["search"] == "ladder" and summary["settled"] and summary["send_cf"] == 100.0
+    assert summary["settled_reason"] == "time" and summary["trial_cf"] is None
+    assert set(policy.throughput) == {10.0, 100.0, 1000.0}

@@ -647,9 +647,15 @@ def check_min_numel(min_compress_numel: object) -> int:
 
 def gravac_or_dense(enabled: bool, **params: Any) -> CfPolicy:
     """AdaptiveCompression's policy: GraVAC with `params`, or CF 1 (dense) when not `enabled`."""
+    import inspect
+
     from crossover.adaptive.gravac import GravacPolicy
     from crossover.adaptive.static import StaticPolicy
 
+    known = [p for p in inspect.signature(GravacPolicy.__init__).parameters if p != "self"]
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ValueError(f"unknown GraVAC setting(s) {', '.join(unknown)}; the settings are {', '.join(known)}")
     return GravacPolicy(**params) if enabled else StaticPolicy(cf=1.0)
 
 

@@ -1,7 +1,8 @@
 """GraVAC compression-factor policy (Tyagi and Swany, IEEE CLOUD 2023, arXiv 2305.12201).
 
 Pure Python, standard library only: plain numbers in, decisions out. The policy never touches a
-tensor; the caller compresses, measures and reports global (all-rank) statistics.
+tensor; the caller (``horovod_ext/torch_compression.py``, ``horovod_ext/tf_compression.py``, or the
+simulator ``benchmarks/sim_gravac.py``) compresses, measures and reports global (all-rank) statistics.
 
 Why the interface looks like this: in a data-parallel job every rank must take the same decision on
 every step without extra communication. So :meth:`GravacPolicy.plan` is a pure function of the
@@ -12,9 +13,20 @@ order give the same plans on every rank. See ``docs/gravac.md``.
 Per step::
 
     plan = policy.plan()                 # send_cf (1.0 = dense) and probe_cfs to measure
-    ...compress with plan.send_cf, measure ||C_cf(g)||^2 for every cf in plan.probe_cfs...
+    ...compress with plan.send_cf, measure the norms of C_cf(g + e) for every cf in plan.probe_cfs...
     policy.observe(StepStats(sent_cf=plan.send_cf, dense_sq_norm=..., compressed_sq_norms={...},
-                             step_time_s=..., samples=...))
+                             step_time_s=..., samples=..., grad_sq_norm=..., grad_norm_sum=...,
+                             dense_norm_sum=..., compressed_norm_sums={...}))
+
+Two searches share the gain bookkeeping:
+
+* ``search="ladder"`` (default): a short trial of each CF on a ladder (cf_max, cf_max / cf_step, ...,
+  cf_min, dense), judged on compression throughput (samples/s x gain, as GraVAC) measured while that
+  CF is actually sent, walking down while the next lower CF is within ``omega`` of the best; then it
+  settles, probes nothing beyond what it sends, and re-opens the search when the step time drifts or
+  the sent CF's gain falls under ``epsilon``.
+* ``search="paper"``: the paper's floor / candidate search (multi-level probes every step, CF_s
+  growing each window, settle when the two best throughputs are within ``omega``).
 """
 
 from __future__ import annotations
@@ -23,17 +35,30 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Union
 
 from crossover.adaptive._state import check_saved_state
 
-__all__ = ["SCALINGS", "GravacPolicy", "Plan", "StepStats"]
+__all__ = ["GAINS", "SCALINGS", "SEARCHES", "GravacPolicy", "Plan", "StepStats"]
 
-#: Names accepted for ``scaling``: how the candidate step CF_s grows each window.
+#: Names accepted for ``scaling``: how the paper search's candidate step CF_s grows each window.
 SCALINGS = ("exponential", "geometric")
+#: Names accepted for ``gain``: how the compression gain of a CF is computed (docs/gravac.md).
+GAINS = ("delivered", "authors", "norm")
+#: Names accepted for ``search``.
+SEARCHES = ("ladder", "paper")
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _DENSE = 1.0
+_AUTO = "auto"
+#: ``window="auto"``: a window is this fraction of the steps observed so far, within the bounds below.
+AUTO_WINDOW_FRACTION = 0.02
+AUTO_WINDOW_MIN = 4
+AUTO_WINDOW_MAX = 500
+#: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
+_SKIP_MARGIN = 2.0
+
+Window = Union[int, str]
 
 
 @dataclass(frozen=True)
@@ -41,9 +66,11 @@ class Plan:
     """What to do on one step; identical on every rank fed the same observations.
 
     ``send_cf``: compression factor to send (dense size / compressed size); 1.0 means dense.
-    ``probe_cfs``: CFs whose squared norm ``||C_cf(g)||^2`` the caller must measure this step,
-    ascending and without duplicates: the floor CF_min and the candidate CF_min * CF_s (multi-level:
-    the candidate compresses the already compressed floor tensor by CF_s).
+    ``probe_cfs``: CFs whose norms ``||C_cf(g + e)||`` the caller must measure this step, ascending
+    and without duplicates (multi-level: higher CFs compress the lowest one's selection further).
+    Empty means "measure nothing": with a dense ``send_cf`` the caller can skip compression entirely.
+    The paper search probes the floor CF_min and the candidate CF_min * CF_s; the ladder search
+    probes only the CF it sends (free: the selection is made anyway), nothing while dense.
     """
 
     send_cf: float
@@ -56,33 +83,43 @@ class Plan:
 
     @property
     def floor_cf(self) -> float:
-        """The floor CF_min (first level of compression)."""
-        return self.probe_cfs[0]
+        """The lowest probed CF (the floor CF_min of the paper search); send_cf when nothing is probed."""
+        return self.probe_cfs[0] if self.probe_cfs else self.send_cf
 
     @property
     def candidate_cf(self) -> float:
-        """The candidate CF_min * CF_s (equals the floor when only one CF is probed)."""
-        return self.probe_cfs[-1]
+        """The highest probed CF (the candidate CF_min * CF_s; equals the floor when one CF is probed)."""
+        return self.probe_cfs[-1] if self.probe_cfs else self.send_cf
 
     @property
     def cf_s(self) -> float:
         """Second-level factor: compress the floor-compressed tensor by this to get the candidate."""
-        return self.probe_cfs[-1] / self.probe_cfs[0]
+        return self.candidate_cf / self.floor_cf
 
 
 @dataclass(frozen=True)
 class StepStats:
     """Global statistics of one step, identical on every rank (the caller reduces them).
 
-    ``sent_cf``: the ``Plan.send_cf`` actually used on that step.
-    ``dense_sq_norm``: sum over tensors and ranks of ``||g||^2`` (g = gradient + residual).
-    ``compressed_sq_norms``: ``{cf: sum over tensors and ranks of ||C_cf(g)||^2}`` for the CFs in
-    that step's ``Plan.probe_cfs`` (keys are those exact floats; extra or missing keys are allowed).
-    ``step_time_s``: wall time of the step in seconds (averaged over ranks).
-    ``samples``: samples processed by the step (global, summed over ranks).
+    Every number is a sum over the step's compressed tensors and over ranks of a per-(tensor, rank)
+    value; g is the raw local gradient, e the error-feedback residual, C_cf the compressor at cf.
 
-    Values that are not finite, or negative, are ignored by the policy (a NaN gradient on one step
-    must not crash training); a zero ``dense_sq_norm`` carries no gain information and is skipped.
+    ``sent_cf``: the ``Plan.send_cf`` actually used on that step.
+    ``dense_sq_norm``: sum of ``||g + e||^2``.
+    ``compressed_sq_norms``: ``{cf: sum of ||C_cf(g + e)||^2}`` for the CFs in that step's
+    ``Plan.probe_cfs`` (keys are those exact floats; extra or missing keys are allowed).
+    ``step_time_s``: wall time of the step in seconds (averaged over ranks, communication included).
+    ``samples``: samples processed by the step (global, summed over ranks).
+    ``grad_sq_norm``: sum of ``||g||^2`` (no residual).
+    ``grad_norm_sum``: sum of ``||g||`` (per-tensor L2 norms, as the GraVAC authors' code sums layers).
+    ``dense_norm_sum``: sum of ``||g + e||``.
+    ``compressed_norm_sums``: ``{cf: sum of ||C_cf(g + e)||}`` for the probed CFs.
+
+    The last four were added later and default to "not measured" (NaN, empty): a gain definition
+    that needs a missing number simply has no measurement on that step. Values that are not finite,
+    or negative, are ignored by the policy (a NaN gradient on one step must not crash training); a
+    zero denominator carries no gain information and is skipped. A step that measured nothing
+    (dense, no probes) still counts: its time and samples feed the throughput.
     """
 
     sent_cf: float
@@ -90,24 +127,35 @@ class StepStats:
     compressed_sq_norms: Mapping[float, float]
     step_time_s: float
     samples: float
+    grad_sq_norm: float = math.nan
+    grad_norm_sum: float = math.nan
+    dense_norm_sum: float = math.nan
+    compressed_norm_sums: Mapping[float, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Freeze a private copy so a caller mutating its dict cannot change a recorded step.
-        frozen = MappingProxyType({float(k): float(v) for k, v in self.compressed_sq_norms.items()})
-        object.__setattr__(self, "compressed_sq_norms", frozen)
+        # Freeze private copies so a caller mutating its dict cannot change a recorded step.
+        for name in ("compressed_sq_norms", "compressed_norm_sums"):
+            frozen = MappingProxyType({float(k): float(v) for k, v in getattr(self, name).items()})
+            object.__setattr__(self, name, frozen)
 
 
 @dataclass
 class _Gain:
-    """EWMA of the compression gain of one CF."""
+    """Smoothed gain of one CF: ``value`` is what decisions read.
+
+    ``norm`` smooths the per-step ratio (``value`` itself); ``authors`` and ``delivered`` smooth the
+    numerator and the denominator separately (``num``, ``den``) and divide.
+    """
 
     value: float
     count: int
+    num: float = 0.0
+    den: float = 0.0
 
 
 @dataclass
 class _Throughput:
-    """Running totals for one sent CF: compression throughput = samples/s * mean gain."""
+    """Running totals for one sent CF: compression throughput = samples/s * mean gain (paper search)."""
 
     samples: float = 0.0
     time_s: float = 0.0
@@ -117,6 +165,18 @@ class _Throughput:
     @property
     def value(self) -> float:
         return (self.samples / self.time_s) * (self.gain_sum / self.count)
+
+
+@dataclass
+class _Trial:
+    """Observations of the CF on trial (ladder search) during its current window."""
+
+    cf: float
+    times: list[float] = field(default_factory=list)
+    samples: float = 0.0
+    num: float = 0.0
+    den: float = 0.0
+    measured: int = 0  # observations that carried this CF's gain
 
 
 @dataclass
@@ -130,6 +190,22 @@ class _State:
     settled: bool = False
     gains: dict[float, _Gain] = field(default_factory=dict)
     throughput: dict[float, _Throughput] = field(default_factory=dict)
+    # ladder search
+    trial: _Trial | None = None
+    direction: int = -1
+    best: float | None = None
+    best_rate: float = 0.0  # best compression throughput of the current search
+    # cf -> [compression throughput, gain, median step time, samples per step, step judged]
+    rates: dict[float, list[float]] = field(default_factory=dict)
+    ref_time: float = 0.0  # step time of the settled CF when it settled
+    recent: list[float] = field(default_factory=list)  # step times of the settled CF, newest last
+    settled_gain_steps: int = 0
+    retry_rung: float | None = None  # a higher CF that failed the gain test: tried again at retry_at
+    retry_at: int = 0
+    retry_gap: int = 0
+    searches: int = 0
+    search_step: int = 0  # observations when the current search began
+    reason: str = ""
 
 
 def _finite_nonneg(x: float) -> bool:
@@ -144,22 +220,35 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 class GravacPolicy:
     """GraVAC compression-factor search as a deterministic state machine.
 
     The decision for step t depends only on the observations fed before it, so ranks that feed the
     same global statistics in the same order make the same plans (no extra communication).
 
-    Keyword-only parameters (paper defaults):
-      cf_min: initial floor CF_min, >= 1 (paper 10).
+    Keyword-only parameters (defaults chosen by ``benchmarks/sim_gravac.py``, see docs/gravac.md):
+      cf_min: lowest compressed CF, >= 1 (paper 10).
       cf_max: largest CF ever probed or sent, >= cf_min (paper 1000 to 2000).
-      epsilon: gain a CF needs to be sent, in (0, 1] (paper 0.7 or 0.9).
-      omega: relative tolerance for "same gain" and "same throughput", in [0, 1) (paper 0.01).
-      window: observed steps between CF search decisions, int >= 1 (paper 500 to 2000).
-      scaling: "exponential" (CF_s = 2, 4, 16, 256, ...: squared) or "geometric" (2, 4, 8, ...).
-      warmup_steps: first observed steps sent dense (gains still measured), int >= 0.
-      ewma_alpha: weight of the newest gain in the EWMA, in (0, 1]; 0.1 averages about 10 steps,
-        which smooths step-to-step noise around epsilon yet is settled long before a window ends.
+      epsilon: gain a CF needs to be sent, in (0, 1] (paper 0.7 or 0.9; meaning depends on ``gain``).
+      omega: relative tolerance, in [0, 1): a higher CF must beat a lower one's compression
+        throughput by more than omega to be preferred (paper 0.01, its authors' script 0.05).
+      window: observations per decision, int >= 1, or "auto": 2% of the steps observed so far,
+        at least 4 and at most 500 (a short run adapts within its first steps, a long one measures
+        over longer windows).
+      scaling: paper search: "exponential" (CF_s = 2, 4, 16, 256, ...) or "geometric" (2, 4, 8, ...).
+      warmup_steps: first observed steps sent dense, int >= 0.
+      ewma_alpha: weight of the newest value in the gain EWMAs, in (0, 1].
+      gain: "delivered", "authors" or "norm" (docs/gravac.md has the formulas).
+      search: "ladder" or "paper".
+      cf_step: ladder search: ratio between neighbouring CFs of the ladder, > 1.
+      reopen_drift: ladder search: once settled, a median step time that moved by more than this
+        factor (relative) from the one measured when settling re-opens the search; 0 disables.
     """
 
     def __init__(
@@ -167,12 +256,16 @@ class GravacPolicy:
         *,
         cf_min: float = 10.0,
         cf_max: float = 1000.0,
-        epsilon: float = 0.9,
-        omega: float = 0.01,
-        window: int = 500,
+        epsilon: float = 0.5,
+        omega: float = 0.1,
+        window: Window = _AUTO,
         scaling: str = "exponential",
         warmup_steps: int = 0,
         ewma_alpha: float = 0.1,
+        gain: str = "delivered",
+        search: str = "ladder",
+        cf_step: float = 10.0,
+        reopen_drift: float = 0.25,
     ) -> None:
         if not _is_real(cf_min) or cf_min < 1:
             raise ValueError(f"cf_min must be a finite number >= 1, got {cf_min!r}")
@@ -184,39 +277,81 @@ class GravacPolicy:
             raise ValueError(f"epsilon must be in (0, 1], got {epsilon!r}")
         if not _is_real(omega) or not 0.0 <= omega < 1.0:
             raise ValueError(f"omega must be in [0, 1), got {omega!r}")
-        if not _is_int(window) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if window != _AUTO and (not _is_int(window) or window < 1):
+            raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
         if not _is_int(warmup_steps) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not _is_real(ewma_alpha) or not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
+        if gain not in GAINS:
+            raise ValueError(f"gain must be one of {', '.join(GAINS)}; got {gain!r}")
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {', '.join(SEARCHES)}; got {search!r}")
+        if not _is_real(cf_step) or cf_step <= 1.0:
+            raise ValueError(f"cf_step must be a finite number > 1, got {cf_step!r}")
+        if not _is_real(reopen_drift) or reopen_drift < 0.0:
+            raise ValueError(f"reopen_drift must be a finite number >= 0, got {reopen_drift!r}")
         self._cf_min0 = float(cf_min)
         self._cf_max = float(cf_max)
         self._epsilon = float(epsilon)
         self._omega = float(omega)
-        self._window = window
+        self._window: Window = window
         self._scaling = scaling
         self._warmup = warmup_steps
         self._alpha = float(ewma_alpha)
-        # Throughput entries need this many steps before they take part in settling, so a CF sent
-        # only now and then (a fallback) cannot win on one noisy step time.
-        self._min_throughput_steps = max(1, window // 2)
+        self._gain = gain
+        self._search_kind = search
+        self._cf_step = float(cf_step)
+        self._drift = float(reopen_drift)
+        self._rungs = self._ladder()
+        self._s = self._initial_state()
+        if search == "ladder" and warmup_steps == 0:
+            self._start_search(len(self._rungs) - 1, -1)
+
+    def _ladder(self) -> tuple[float, ...]:
+        """Dense, then cf_min * cf_step^i below cf_max, then cf_max (ascending)."""
+        rungs = [_DENSE]
+        cf = self._cf_min0
+        while cf < self._cf_max * (1.0 - 1e-9):
+            if cf > _DENSE:
+                rungs.append(cf)
+            cf *= self._cf_step
+        if self._cf_max > _DENSE:
+            rungs.append(self._cf_max)
+        return tuple(rungs)
+
+    def _initial_state(self) -> _State:
         floor = self._cf_min0
-        self._s = _State(floor=floor, scale=2.0, candidate=min(floor * 2.0, self._cf_max))
+        s = _State(floor=floor, scale=2.0, candidate=min(floor * 2.0, self._cf_max))
+        if self._search_kind == "ladder":
+            s.floor = s.candidate = self._rungs[-1]
+        return s
+
+    # ------------------------------------------------------------------ windows
+    def window_at(self, step: int) -> int:
+        """Window length (observations) for a window starting after ``step`` observations."""
+        if self._window != _AUTO:
+            return int(self._window)
+        return max(AUTO_WINDOW_MIN, min(AUTO_WINDOW_MAX, int(step * AUTO_WINDOW_FRACTION)))
 
     # ------------------------------------------------------------------ decisions
     def plan(self) -> Plan:
         """Decision for the next step; pure (no side effects), same result until observe()."""
         s = self._s
-        probes = (s.floor,) if s.candidate == s.floor else (s.floor, s.candidate)
+        if self._search_kind == "paper":
+            probes = (s.floor,) if s.candidate == s.floor else (s.floor, s.candidate)
+            if s.step < self._warmup:
+                return Plan(send_cf=_DENSE, probe_cfs=probes)
+            return Plan(send_cf=self._choose(), probe_cfs=probes)
         if s.step < self._warmup:
-            return Plan(send_cf=_DENSE, probe_cfs=probes)
-        return Plan(send_cf=self._choose(), probe_cfs=probes)
+            return Plan(send_cf=_DENSE, probe_cfs=())
+        cf = s.trial.cf if s.trial is not None else s.floor
+        return Plan(send_cf=cf, probe_cfs=(cf,) if cf > _DENSE else ())
 
     def _choose(self) -> float:
-        """Candidate if its gain >= epsilon, else the floor if its gain >= epsilon, else dense."""
+        """Paper search: candidate if its gain >= epsilon, else the floor if so, else dense."""
         s = self._s
         for cf in (s.candidate, s.floor):
             g = s.gains.get(cf)
@@ -231,34 +366,76 @@ class GravacPolicy:
         step_gains = self._update_gains(stats)
         s.step += 1
         if s.step <= self._warmup:
+            if s.step == self._warmup and self._search_kind == "ladder":
+                self._start_search(len(self._rungs) - 1, -1)
             return  # warm-up: gains only, no throughput and no search
+        if self._search_kind == "paper":
+            self._observe_paper(stats, step_gains)
+        else:
+            self._observe_ladder(stats)
+
+    @property
+    def needs_grad_norms(self) -> bool:
+        """Whether the gain reads the raw gradient's norm (``grad_sq_norm``, ``grad_norm_sum``): the
+        caller then measures ``||g||`` apart from ``||g + e||`` (one more read pass per tensor)."""
+        return self._gain in ("delivered", "authors")
+
+    # ------------------------------------------------------------------ gains
+    def _step_terms(self, stats: StepStats, cf: float) -> tuple[float, float] | None:
+        """(numerator, denominator) of this step's gain of ``cf`` under the configured definition."""
+        if self._gain == "norm":
+            num, den = stats.compressed_sq_norms.get(cf), stats.dense_sq_norm
+        elif self._gain == "authors":
+            num, den = stats.compressed_norm_sums.get(cf), stats.grad_norm_sum
+        else:
+            num, den = stats.compressed_sq_norms.get(cf), stats.grad_sq_norm
+        if num is None or not (_finite_nonneg(num) and _finite_nonneg(den) and den > 0.0):
+            return None
+        return float(num), float(den)
+
+    def _ratio(self, num: float, den: float) -> float:
+        """Gain from (possibly summed or smoothed) numerator and denominator."""
+        if self._gain == "authors":
+            return num / den  # the authors' ratio of summed norms: may exceed 1
+        return min(1.0, math.sqrt(num / den))
+
+    def _update_gains(self, stats: StepStats) -> dict[float, float]:
+        """Update the smoothed gain of every probed CF; return this step's raw gains."""
+        measured: dict[float, float] = {}
+        keys = set(stats.compressed_sq_norms) | set(stats.compressed_norm_sums)
+        for cf in sorted(keys):
+            if not (math.isfinite(cf) and cf >= 1.0):
+                continue
+            terms = self._step_terms(stats, cf)
+            if terms is None:
+                continue
+            num, den = terms
+            gain = self._ratio(num, den)
+            measured[cf] = gain
+            old = self._s.gains.get(cf)
+            if old is None:
+                self._s.gains[cf] = _Gain(value=gain, count=1, num=num, den=den)
+                continue
+            a = self._alpha
+            old.count += 1
+            if self._gain == "norm":
+                old.value += a * (gain - old.value)
+            else:
+                old.num += a * (num - old.num)
+                old.den += a * (den - old.den)
+                old.value = self._ratio(old.num, old.den)
+        return measured
+
+    # ------------------------------------------------------------------ paper search
+    def _observe_paper(self, stats: StepStats, step_gains: Mapping[float, float]) -> None:
+        s = self._s
         self._record_throughput(stats, step_gains)
         if s.settled:
             return
         s.window_step += 1
-        if s.window_step >= self._window:
+        if s.window_step >= self.window_at(s.step - s.window_step):
             s.window_step = 0
-            self._search()
-
-    def _update_gains(self, stats: StepStats) -> dict[float, float]:
-        """EWMA gain per probed CF; gain = sqrt(sum ||C(g)||^2 / sum ||g||^2) clipped to [0, 1]."""
-        dense = float(stats.dense_sq_norm)
-        measured: dict[float, float] = {}
-        if not (_finite_nonneg(dense) and dense > 0.0):
-            return measured
-        for cf in sorted(stats.compressed_sq_norms):
-            comp = stats.compressed_sq_norms[cf]
-            if not (math.isfinite(cf) and cf >= 1.0 and _finite_nonneg(comp)):
-                continue
-            gain = min(1.0, math.sqrt(comp / dense))
-            measured[cf] = gain
-            old = self._s.gains.get(cf)
-            if old is None:
-                self._s.gains[cf] = _Gain(value=gain, count=1)
-            else:
-                old.value += self._alpha * (gain - old.value)
-                old.count += 1
-        return measured
+            self._search_paper()
 
     def _record_throughput(self, stats: StepStats, step_gains: Mapping[float, float]) -> None:
         """Add the step to the sent CF's entry: system throughput * gain of what was sent."""
@@ -282,8 +459,7 @@ class GravacPolicy:
         entry.gain_sum += gain
         entry.count += 1
 
-    # ------------------------------------------------------------------ CF search
-    def _search(self) -> None:
+    def _search_paper(self) -> None:
         """One window decision: settle, else raise the floor, step CF_s up, settle if exhausted."""
         s = self._s
         s.windows += 1
@@ -291,7 +467,7 @@ class GravacPolicy:
         if len(ranked) >= 2:
             (cf1, t1), (cf2, t2) = ranked[0], ranked[1]
             if t1 - t2 <= self._omega * t1:
-                self._settle(min(cf1, cf2))
+                self._settle_paper(min(cf1, cf2))
                 return
         at_bound = s.candidate >= self._cf_max
         raised = False
@@ -306,22 +482,172 @@ class GravacPolicy:
         s.scale = min(grown, max(self._cf_max, 2.0))  # beyond cf_max it changes nothing
         s.candidate = min(s.floor * s.scale, self._cf_max)
         if at_bound and not raised and ranked:
-            self._settle(ranked[0][0])  # the candidate can move no further: take the best CF
+            self._settle_paper(ranked[0][0])  # the candidate can move no further: take the best CF
 
     def _ranked_throughput(self) -> list[tuple[float, float]]:
         """Compressed CFs with enough steps, best compression throughput first (ties: lower CF)."""
-        rows = [
-            (cf, e.value)
-            for cf, e in self._s.throughput.items()
-            if cf != _DENSE and e.count >= self._min_throughput_steps
-        ]
+        need = max(1, self.window_at(self._s.step) // 2)
+        rows = [(cf, e.value) for cf, e in self._s.throughput.items() if cf != _DENSE and e.count >= need]
         rows.sort(key=lambda r: (-r[1], r[0]))
         return rows
 
-    def _settle(self, cf: float) -> None:
+    def _settle_paper(self, cf: float) -> None:
         s = self._s
         s.settled = True
         s.floor = s.candidate = cf
+
+    # ------------------------------------------------------------------ ladder search
+    def _start_search(self, rung: int, direction: int, best: float | None = None, best_rate: float = 0.0) -> None:
+        """Begin a search: try ``self._rungs[rung]``, then walk in ``direction`` (-1 down, +1 up)."""
+        s = self._s
+        s.settled = False
+        s.direction = direction
+        s.best = best
+        s.best_rate = best_rate
+        s.searches += 1
+        s.search_step = s.step
+        s.recent = []
+        self._try(self._rungs[rung])
+
+    def _try(self, cf: float) -> None:
+        s = self._s
+        s.trial = _Trial(cf=cf)
+        s.candidate = cf
+        s.floor = s.best if s.best is not None else cf
+
+    def _observe_ladder(self, stats: StepStats) -> None:
+        s = self._s
+        cf, t, n = float(stats.sent_cf), float(stats.step_time_s), float(stats.samples)
+        if not (math.isfinite(t) and t > 0.0 and math.isfinite(n) and n > 0.0):
+            return
+        if s.trial is not None:
+            tr = s.trial
+            if cf != tr.cf:
+                return  # a late observation of a step sent before this trial began
+            tr.times.append(t)
+            tr.samples += n
+            terms = self._step_terms(stats, cf) if cf > _DENSE else None
+            if terms is not None:
+                tr.num += terms[0]
+                tr.den += terms[1]
+                tr.measured += 1
+            if len(tr.times) >= self.window_at(s.step - len(tr.times)):
+                s.windows += 1
+                self._judge(tr)
+            return
+        if cf != s.floor:
+            return
+        w = self.window_at(s.step)
+        s.recent.append(t)
+        del s.recent[:-w]
+        if s.floor > _DENSE:
+            s.settled_gain_steps += 1
+            g = s.gains.get(s.floor)
+            if g is not None and s.settled_gain_steps >= w and g.value < self._epsilon:
+                self._note_gain_failure(s.floor)
+                self._start_search(self._rungs.index(s.floor) - 1, -1)  # walk down from below it
+                return
+        if s.retry_rung is not None and s.step >= s.retry_at:
+            self._retry()
+            return
+        if self._drift > 0.0 and len(s.recent) >= w:
+            med = _median(s.recent)
+            if med > s.ref_time * (1.0 + self._drift) or med * (1.0 + self._drift) < s.ref_time:
+                s.retry_rung = None  # the new search tries the CFs above again anyway
+                self._start_search(min(self._rungs.index(s.floor) + 1, len(self._rungs) - 1), -1)
+
+    def _judge(self, tr: _Trial) -> None:
+        """End of a trial window: keep walking, or settle on the best CF of this search."""
+        s = self._s
+        step_time = _median(tr.times)
+        per_step = tr.samples / len(tr.times)
+        gain = self._ratio(tr.num, tr.den) if tr.measured and tr.cf > _DENSE else None
+        passes = gain is None or gain >= self._epsilon
+        rate = per_step / step_time * (1.0 if gain is None else min(1.0, gain))
+        s.rates[tr.cf] = [rate, 1.0 if tr.cf == _DENSE else (math.nan if gain is None else gain), step_time,
+                          per_step, float(s.step)]
+        i = self._rungs.index(tr.cf)
+        if not passes:
+            self._note_gain_failure(tr.cf)
+        if s.direction < 0:
+            # walking down: a lower CF within omega of the best compression throughput is preferred
+            if passes and (s.best is None or rate * (1.0 + self._omega) >= s.best_rate):
+                s.best = tr.cf
+                s.best_rate = max(s.best_rate, rate)
+                if i > 0 and not self._hopeless(i - 1):
+                    self._try(self._rungs[i - 1])
+                else:
+                    self._settle(tr.cf, step_time)
+            elif s.best is None:
+                self._try(self._rungs[i - 1])  # failed the gain test, nothing chosen yet: look lower
+            else:
+                self._settle(s.best, s.rates[s.best][2])
+            return
+        # walking up (a retry): a higher CF must beat the best by more than omega
+        if passes and rate > s.best_rate * (1.0 + self._omega):
+            s.best, s.best_rate = tr.cf, rate
+            if i + 1 < len(self._rungs):
+                self._try(self._rungs[i + 1])
+            else:
+                self._settle(tr.cf, step_time)
+            return
+        best = s.best if s.best is not None else _DENSE
+        self._settle(best, s.rates[best][2] if best in s.rates else step_time)
+
+    def _hopeless(self, rung: int) -> bool:
+        """True when the two CFs just above ``rung``, timed in this search, predict it far too slow.
+
+        Communication time scales as 1 / CF, so two measured step times T(a) and T(b) give
+        T(cf) ~ T(a) + slope * (1 / cf - 1 / a). A lower CF predicted to fall short of the best
+        compression throughput by more than ``_SKIP_MARGIN`` times omega's allowance is not tried: on a
+        slow link a window at CF 10 or dense can cost more than the whole search saves. The margin
+        keeps the guess on the safe side (compression cost does not scale as 1 / CF).
+        """
+        s = self._s
+        a, b = self._rungs[rung + 1], self._rungs[rung + 2] if rung + 2 < len(self._rungs) else None
+        ra, rb = s.rates.get(a), s.rates.get(b) if b is not None else None
+        if ra is None or rb is None or ra[4] < s.search_step or rb[4] < s.search_step:
+            return False
+        slope = (ra[2] - rb[2]) / (1.0 / a - 1.0 / b)
+        if not slope > 0.0:
+            return False
+        predicted = ra[2] + slope * (1.0 / self._rungs[rung] - 1.0 / a)
+        return ra[3] / predicted * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate
+
+    def _note_gain_failure(self, cf: float) -> None:
+        """A CF failed the gain test: if the search settles below it, try it again later."""
+        s = self._s
+        if s.retry_rung is None or cf < s.retry_rung:
+            s.retry_rung = cf
+
+    def _settle(self, cf: float, step_time: float) -> None:
+        s = self._s
+        s.trial = None
+        s.settled = True
+        s.floor = s.candidate = cf
+        s.ref_time = step_time
+        s.recent = []
+        s.settled_gain_steps = 0
+        if s.retry_rung is not None and s.retry_rung <= cf:
+            s.retry_rung = None
+        s.reason = "gain" if s.retry_rung is not None else "time"
+        if s.retry_rung is not None:  # doubling gaps: a CF that keeps failing costs O(log steps) trials
+            s.retry_gap = max(4 * self.window_at(s.step), 2 * s.retry_gap, s.step)
+            s.retry_at = s.step + s.retry_gap
+
+    def _retry(self) -> None:
+        """Try the CF above the settled one again (it failed the gain test before), walking up."""
+        s = self._s
+        cf = s.floor
+        i = self._rungs.index(cf)
+        rate = s.rates[cf][0] if cf in s.rates else 0.0
+        if cf in s.rates and s.recent:  # the settled CF's rate now, from its recent step times and gain
+            g = s.gains.get(cf)
+            factor = 1.0 if cf == _DENSE or g is None else min(1.0, g.value)
+            rate = s.rates[cf][3] / _median(s.recent) * factor
+        s.retry_rung = None
+        if i + 1 < len(self._rungs):
+            self._start_search(i + 1, +1, best=cf, best_rate=rate)
 
     # ------------------------------------------------------------------ telemetry
     @property
@@ -341,45 +667,53 @@ class GravacPolicy:
 
     @property
     def floor_cf(self) -> float:
-        """Current floor CF_min."""
+        """Paper search: current floor CF_min. Ladder: the best CF of the search so far (the settled CF)."""
         return self._s.floor
 
     @property
     def candidate_cf(self) -> float:
-        """Current candidate CF_min * CF_s (equals the floor once settled or at cf_max)."""
+        """Paper search: candidate CF_min * CF_s. Ladder: the CF on trial (the settled CF once settled)."""
         return self._s.candidate
 
     @property
     def cf_s(self) -> float:
-        """Effective candidate step CF_s = candidate / floor (after the cf_max bound)."""
+        """Candidate / floor (the paper's effective CF_s after the cf_max bound)."""
         return self._s.candidate / self._s.floor
 
     @property
     def floor_gain(self) -> float | None:
-        """EWMA gain of the floor CF, None before it was measured."""
+        """Smoothed gain of the floor CF, None before it was measured."""
         g = self._s.gains.get(self._s.floor)
         return None if g is None else g.value
 
     @property
     def candidate_gain(self) -> float | None:
-        """EWMA gain of the candidate CF, None before it was measured."""
+        """Smoothed gain of the candidate CF, None before it was measured."""
         g = self._s.gains.get(self._s.candidate)
         return None if g is None else g.value
 
     @property
     def gains(self) -> dict[float, float]:
-        """EWMA gain of every CF ever probed (a copy)."""
+        """Smoothed gain of every CF ever probed (a copy)."""
         return {cf: g.value for cf, g in sorted(self._s.gains.items())}
 
     @property
     def settled(self) -> bool:
-        """True once the search stopped; floor and candidate are then the settled CF."""
+        """True while the search is stopped; floor and candidate are then the settled CF."""
         return self._s.settled
 
     @property
     def throughput(self) -> dict[float, float]:
-        """Compression throughput (samples/s * mean gain) per CF sent after warm-up (a copy)."""
-        return {cf: e.value for cf, e in sorted(self._s.throughput.items())}
+        """Compression throughput (samples/s * gain) per CF: paper search over all steps each CF was
+        sent after warm-up; ladder search from each CF's latest trial window (a copy)."""
+        if self._search_kind == "paper":
+            return {cf: e.value for cf, e in sorted(self._s.throughput.items())}
+        return {cf: r[0] for cf, r in sorted(self._s.rates.items())}
+
+    @property
+    def ladder(self) -> tuple[float, ...]:
+        """The CFs the ladder search can send, ascending (1.0 = dense)."""
+        return self._rungs
 
     @property
     def config(self) -> dict[str, Any]:
@@ -393,12 +727,16 @@ class GravacPolicy:
             "scaling": self._scaling,
             "warmup_steps": self._warmup,
             "ewma_alpha": self._alpha,
+            "gain": self._gain,
+            "search": self._search_kind,
+            "cf_step": self._cf_step,
+            "reopen_drift": self._drift,
         }
 
     def summary(self) -> dict[str, Any]:
         """Read-only snapshot for telemetry (plain values; float dict keys are CFs)."""
         s = self._s
-        return {
+        out = {
             "step": s.step,
             "warming_up": self.warming_up,
             "send_cf": self.send_cf,
@@ -409,16 +747,29 @@ class GravacPolicy:
             "candidate_gain": self.candidate_gain,
             "settled": s.settled,
             "windows": s.windows,
-            "window_step": s.window_step,
+            "window_step": s.window_step if self._search_kind == "paper" else (
+                len(s.trial.times) if s.trial is not None else 0),
             "gains": self.gains,
             "throughput": self.throughput,
             "throughput_steps": {cf: e.count for cf, e in sorted(s.throughput.items())},
+            "search": self._search_kind,
         }
+        if self._search_kind == "ladder":
+            out.update({
+                "trial_cf": s.trial.cf if s.trial is not None else None,
+                "searches": s.searches,
+                "settled_reason": s.reason if s.settled else None,
+                "reference_step_time_s": s.ref_time if s.settled else None,
+                "retry_cf": s.retry_rung,
+                "retry_at_step": s.retry_at if s.retry_rung is not None else None,
+            })
+        return out
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Full state as JSON-serialisable plain values (lists instead of float-keyed dicts)."""
         s = self._s
+        tr = s.trial
         return {
             "version": _STATE_VERSION,
             "config": self.config,
@@ -429,15 +780,30 @@ class GravacPolicy:
             "window_step": s.window_step,
             "windows": s.windows,
             "settled": s.settled,
-            "gains": [[cf, g.value, g.count] for cf, g in sorted(s.gains.items())],
+            "gains": [[cf, g.value, g.count, g.num, g.den] for cf, g in sorted(s.gains.items())],
             "throughput": [
                 [cf, e.samples, e.time_s, e.gain_sum, e.count] for cf, e in sorted(s.throughput.items())
             ],
+            "trial": None if tr is None else [tr.cf, list(tr.times), tr.samples, tr.num, tr.den, tr.measured],
+            "direction": s.direction,
+            "best": s.best,
+            "best_rate": s.best_rate,
+            "rates": [[cf, *r] for cf, r in sorted(s.rates.items())],
+            "ref_time": s.ref_time,
+            "recent": list(s.recent),
+            "settled_gain_steps": s.settled_gain_steps,
+            "retry_rung": s.retry_rung,
+            "retry_at": s.retry_at,
+            "retry_gap": s.retry_gap,
+            "searches": s.searches,
+            "search_step": s.search_step,
+            "reason": s.reason,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
         check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
+        tr = state["trial"]
         st = _State(
             floor=float(state["floor"]),
             scale=float(state["scale"]),
@@ -446,11 +812,26 @@ class GravacPolicy:
             window_step=int(state["window_step"]),
             windows=int(state["windows"]),
             settled=bool(state["settled"]),
-            gains={float(cf): _Gain(float(v), int(n)) for cf, v, n in state["gains"]},
+            gains={float(cf): _Gain(float(v), int(n), float(a), float(b)) for cf, v, n, a, b in state["gains"]},
             throughput={
                 float(cf): _Throughput(float(n), float(t), float(g), int(c))
                 for cf, n, t, g, c in state["throughput"]
             },
+            trial=None if tr is None else _Trial(float(tr[0]), [float(x) for x in tr[1]], float(tr[2]),
+                                                 float(tr[3]), float(tr[4]), int(tr[5])),
+            direction=int(state["direction"]),
+            best=None if state["best"] is None else float(state["best"]),
+            best_rate=float(state["best_rate"]),
+            rates={float(r[0]): [float(x) for x in r[1:]] for r in state["rates"]},
+            ref_time=float(state["ref_time"]),
+            recent=[float(x) for x in state["recent"]],
+            settled_gain_steps=int(state["settled_gain_steps"]),
+            retry_rung=None if state["retry_rung"] is None else float(state["retry_rung"]),
+            retry_at=int(state["retry_at"]),
+            retry_gap=int(state["retry_gap"]),
+            searches=int(state["searches"]),
+            search_step=int(state["search_step"]),
+            reason=str(state["reason"]),
         )
         self._check_state(st)
         self._s = st
@@ -459,8 +840,8 @@ class GravacPolicy:
         """Raise ValueError for a loaded state no run of this policy could reach (nothing is applied)."""
         if not (_is_real(s.floor) and 1.0 <= s.floor <= self._cf_max):
             raise ValueError(f"GravacPolicy state: floor {s.floor!r} outside [1, cf_max={self._cf_max:g}]")
-        if not (_is_real(s.candidate) and s.floor <= s.candidate <= self._cf_max):
-            raise ValueError(f"GravacPolicy state: candidate {s.candidate!r} outside [floor, cf_max]")
+        if not (_is_real(s.candidate) and 1.0 <= s.candidate <= self._cf_max):
+            raise ValueError(f"GravacPolicy state: candidate {s.candidate!r} outside [1, cf_max={self._cf_max:g}]")
         if not (_is_real(s.scale) and s.scale >= 1.0):
             raise ValueError(f"GravacPolicy state: scale {s.scale!r} must be a finite number >= 1")
         if min(s.step, s.window_step, s.windows) < 0:

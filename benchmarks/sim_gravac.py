@@ -1,0 +1,812 @@
+"""Simulated time to accuracy of GraVAC settings against dense, fp16 and static top-k (one process, N ranks).
+
+Why a simulation: choosing GraVAC's defaults needs many runs (methods x settings x links x seeds), and a
+real emulated-network run of the digits task takes minutes on the project's 2-core machine. Here one
+process plays every rank of a synchronous data-parallel job:
+
+* the model, data, shards, batch, learning rate and momentum are the benchmark's
+  (``benchmarks/models.py`` MLP, ``benchmarks/datasets.py`` digits, as ``benchmarks/trainer.py``
+  builds them; the time-to-accuracy section of ``BENCHMARKS.md`` uses SGD lr 0.2, no momentum);
+* each rank computes its gradient on its own shard and keeps its own error-feedback residual; the
+  compression path mirrors ``horovod_ext/torch_compression.py`` step for step with the project's real
+  selectors (``make_selector("topk")``, ``select`` / ``subselect`` multi-level, ``apply_mask``), tensors
+  under ``--min-compress-numel`` go dense, and the update is the exact average of what the ranks send;
+* the policy sees what the glue feeds it: global (rank-summed) statistics, one step late;
+* simulated step time = compute time (measured once per model width: median of real forward + backward
+  + update steps, optionally scaled or fixed) + communication time modeled from the bytes of
+  ``crossover/compression/cost_model.py`` at the link rate (ring allreduce of the dense tensors fused
+  into one collective, one allgather per sparse tensor, ``--latency-us`` per collective) + the
+  compression cost measured on this machine (median of the first measurements of each distinct plan,
+  cached, so every method is charged the same for the same work), times a seeded random jitter.
+
+Static methods train identically at every link rate, so each is trained once per seed and width and
+timed at every workload; a GraVAC run is repeated per workload because its decisions depend on time.
+Outputs: a JSON with every run (evaluations, CF per step, bytes), a markdown table per workload
+(median and range over seeds) and optionally a PNG of accuracy against simulated time.
+
+    python benchmarks/sim_gravac.py --seeds 0 1 2 --out results/sim_gravac
+    python benchmarks/sim_gravac.py --methods dense topk:100 gravac "eps05=gravac:epsilon=0.5" --steps 100
+
+Simulated is not measured: Horovod's own overheads (Python hooks, Gloo's allgather of varying sizes,
+tensor fusion timing) are not in the model; see ``docs/gravac.md`` for what remains to validate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats  # noqa: E402
+from crossover.adaptive.static import StaticPolicy  # noqa: E402
+from crossover.compression import cost_model, kernels  # noqa: E402
+from crossover.compression.selectors import Selector, apply_mask, k_for, make_selector  # noqa: E402
+
+__all__ = ["Method", "Workload", "parse_method", "parse_workload", "main"]
+
+DEFAULT_METHODS = ("dense", "fp16", "topk:10", "topk:100", "topk:1000", "gravac")
+DEFAULT_WORKLOADS = ("mlp4@1gbit", "mlp1@100mbit", "mlp4@100mbit", "mlp4@10gbit", "mlp4@10gbit:x8")
+STATIC_KINDS = ("dense", "fp16", "topk")
+_RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_STATS_FLOATS = 3  # scale, previous step time, ||g+e||^2: the glue's stats vector before the probes
+
+
+# ---------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class Method:
+    """One training method: dense, fp16, static top-k at ``cf``, or GraVAC with ``params``."""
+
+    label: str
+    kind: str
+    cf: float = 1.0
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def static(self) -> bool:
+        return self.kind in STATIC_KINDS
+
+
+def _value(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(spec: str) -> Method:
+    """``dense``, ``fp16``, ``topk:CF``, ``gravac`` or ``gravac:key=value,...``; ``LABEL=`` in front names it."""
+    label = None
+    head, sep, rest = spec.partition("=")
+    if sep and ":" not in head and head not in ("gravac",):
+        label, spec = head, rest
+    kind, _, arg = spec.partition(":")
+    if kind in ("dense", "none"):
+        return Method(label or "dense", "dense")
+    if kind == "fp16":
+        return Method(label or "fp16", "fp16", 2.0)
+    if kind == "topk":
+        try:
+            cf = float(arg or 100)
+        except ValueError:
+            raise ValueError(f"topk:CF needs a number, got {spec!r}") from None
+        if not cf > 1:
+            raise ValueError(f"topk CF must be > 1, got {spec!r}")
+        return Method(label or f"topk:{cf:g}", "topk", cf)
+    if kind == "gravac":
+        params: list[tuple[str, Any]] = []
+        for item in filter(None, arg.split(",")):
+            key, eq, val = item.partition("=")
+            if not eq:
+                raise ValueError(f"gravac options are key=value, got {item!r} in {spec!r}")
+            params.append((key.strip(), _value(val.strip())))
+        GravacPolicy(**dict(params))  # reject bad settings before any training
+        return Method(label or spec, "gravac", params=tuple(params))
+    raise ValueError(f"unknown method {spec!r}: use dense, fp16, topk:CF or gravac[:key=value,...]")
+
+
+def parse_rate(text: str) -> float:
+    """Link rate in bit/s from tc units (100mbit, 1gbit, 10gbit)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text.strip().lower())
+    if not m:
+        raise ValueError(f"link rate like 100mbit, 1gbit or 10gbit expected, got {text!r}")
+    return float(m.group(1)) * _RATES[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Model width, link rate and compute: ``mlp4@1gbit``, ``mlp4@10gbit:x8`` (compute x8), ``mlp4@1gbit:45ms``."""
+
+    name: str
+    width: float
+    rate_bps: float
+    compute_scale: float = 1.0
+    compute_ms: float | None = None
+
+
+def parse_workload(spec: str) -> Workload:
+    m = re.fullmatch(r"mlp(\d+(?:\.\d+)?)@([0-9.]+[kmg]bit)(?::(?:x([0-9.]+)|([0-9.]+)ms))?", spec.strip())
+    if not m:
+        raise ValueError(f"workload like mlp4@1gbit, mlp4@10gbit:x8 or mlp4@1gbit:45ms expected, got {spec!r}")
+    return Workload(spec.strip(), float(m.group(1)), parse_rate(m.group(2)),
+                    float(m.group(3)) if m.group(3) else 1.0, float(m.group(4)) if m.group(4) else None)
+
+
+# ---------------------------------------------------------------------------------------------- costs
+class CostBook:
+    """Compute time per model width and compression cost per distinct plan, measured once and reused.
+
+    A plan's cost is the minimum of its first ``samples`` measurements, then frozen: every method and
+    seed is charged the same for the same work. The minimum, not the median: on a shared machine the
+    load only ever adds time, so the fastest of several runs is the best estimate of the work itself.
+    """
+
+    def __init__(self, samples: int = 9, saved: dict[str, float] | None = None) -> None:
+        self.samples = samples
+        self._seen: dict[str, list[float]] = {}
+        self._fixed: dict[str, float] = dict(saved or {})
+
+    def charge(self, key: str, measure: float) -> float:
+        if key in self._fixed:
+            return self._fixed[key]
+        seen = self._seen.setdefault(key, [])
+        seen.append(measure)
+        value = min(seen)
+        if len(seen) >= self.samples:
+            self._fixed[key] = value
+        return value
+
+    def known(self, key: str) -> float | None:
+        return self._fixed.get(key)
+
+    def set(self, key: str, value: float) -> None:
+        self._fixed[key] = value
+
+    def table(self) -> dict[str, float]:
+        out = {k: min(v) for k, v in self._seen.items()}
+        out.update(self._fixed)
+        return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+@dataclass
+class _Task:
+    """Model, data and evaluation set of one (seed, width): identical start for every method."""
+
+    seed: int
+    width: float
+    world: int
+    batch: int
+    data: Any
+    init_state: dict[str, torch.Tensor]
+    x_eval: torch.Tensor
+    y_eval: torch.Tensor
+    steps_per_epoch: int
+
+
+def _build_task(seed: int, width: float, world: int, batch: int) -> _Task:
+    from benchmarks.datasets import load_dataset
+    from benchmarks.models import build_model
+
+    torch.manual_seed(seed)  # as benchmarks/trainer.py: seed, then data, then model
+    data = load_dataset("digits", None, seed=seed)
+    model = build_model("mlp", "digits", data.num_classes, width=width)
+    xe = torch.cat([x for x, _ in data.eval_batches(0, 1, 512)])
+    ye = torch.cat([y for _, y in data.eval_batches(0, 1, 512)])
+    return _Task(seed, width, world, batch, data, {k: v.clone() for k, v in model.state_dict().items()}, xe, ye,
+                 data.steps_per_epoch(world, batch))
+
+
+def _new_model(task: _Task) -> torch.nn.Module:
+    from benchmarks.models import build_model
+
+    model = build_model("mlp", "digits", task.data.num_classes, width=task.width)
+    model.load_state_dict(task.init_state)
+    return model
+
+
+@dataclass
+class _Sums:
+    """Global statistics of one step (sums over tensors and ranks), as the glue reduces them."""
+
+    grad_sq: float = 0.0
+    grad_norm: float = 0.0
+    dense_sq: float = 0.0
+    dense_norm: float = 0.0
+    comp_sq: dict[float, float] = field(default_factory=dict)
+    comp_norm: dict[float, float] = field(default_factory=dict)
+    tensors: int = 0
+
+
+def _mix(seed: int, step: int, key: str) -> int:
+    h = 1469598103934665603
+    for ch in f"{seed}:{step}:{key}".encode():
+        h = ((h ^ ch) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class _Rank:
+    """One rank's compressor state: its selector buffers and error-feedback residuals."""
+
+    def __init__(self) -> None:
+        self.selector: Selector = make_selector("topk")
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compress(self, key: str, grad: torch.Tensor, send_cf: float, probes: Sequence[float], step: int,
+                 world: int, sums: _Sums) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+        """Mirror of the glue's ``_compress_float`` for one flat float32 tensor.
+
+        Returns ("dense", acc, None) or ("ag", idx, val): what this rank hands to Horovod.
+        """
+        numel = grad.numel()
+        residual = self.residuals.get(key)
+        if residual is None:
+            residual = self.residuals[key] = torch.zeros_like(grad)
+        levels = sorted({cf for cf in (*probes, send_cf) if cf > 1})
+        seed = _mix(0, step, key)
+        gsq = kernels.sumsq(grad)
+        sums.grad_sq += gsq
+        sums.grad_norm += math.sqrt(gsq)
+        sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
+        sq: dict[float, float] = {}
+        masks: dict[float, torch.Tensor] = {}
+        for cf in levels:
+            if cf == levels[0]:
+                sq[cf] = sel.sumsq_sel
+            else:
+                masks[cf] = self.selector.subselect(sel, numel, cf, seed ^ int(cf))
+                sq[cf] = kernels.sumsq(sel.val[masks[cf]].contiguous())
+        dsq = sel.sumsq_acc if sel is not None else gsq
+        sums.dense_sq += dsq
+        sums.dense_norm += math.sqrt(dsq)
+        for cf in probes:
+            v = sq.get(cf, dsq)
+            sums.comp_sq[cf] = sums.comp_sq.get(cf, 0.0) + v
+            sums.comp_norm[cf] = sums.comp_norm.get(cf, 0.0) + math.sqrt(v)
+        sums.tensors += 1
+        k = k_for(numel, send_cf) if send_cf > 1 else numel
+        transport = cost_model.choose_transport(numel, k, world, self.selector.shared_indices)
+        if send_cf > 1 and send_cf != levels[0]:
+            sel = apply_mask(sel, masks[send_cf], residual)
+        if transport == cost_model.DENSE:
+            if sel is not None:  # undo the selection: send acc whole, residual becomes zero
+                kernels.scatter_add(residual, sel.idx, sel.val)
+                acc = residual.clone()
+                residual.zero_()
+                return "dense", acc, None
+            return "dense", grad.clone(), None
+        if transport != cost_model.ALLGATHER:
+            raise RuntimeError(f"unexpected transport {transport} for top-k")
+        return "ag", sel.idx.clone(), sel.val.clone()
+
+
+@dataclass
+class _StepRecord:
+    """What one step cost, independent of the link: the time model is applied afterwards."""
+
+    send_cf: float
+    probes: tuple[float, ...]
+    cost_s: float
+    dense_elems: int  # elements of the fused allreduce (fp32, or fp16 when fp16)
+    dense_width: int
+    gather_elems: list[int]  # per sparse tensor: the largest count any rank contributed
+    bytes_sent: float  # per rank, as the glue counts it
+    loss: float
+
+
+@dataclass
+class RunResult:
+    method: str
+    workload: str | None
+    seed: int
+    width: float
+    records: list[_StepRecord]
+    evals: list[tuple[int, float]]  # (step, test accuracy)
+    dense_bytes_per_step: float
+    policy_summary: dict[str, Any] | None = None
+
+
+class Simulator:
+    """Trains one method on one task, step by step, recording costs; GraVAC runs need the workload."""
+
+    def __init__(self, costs: CostBook, *, lr: float, momentum: float, min_compress_numel: int, eval_every: int,
+                 lag: int, jitter: float, latency_s: float, log_every: int) -> None:
+        self.costs = costs
+        self.lr = lr
+        self.momentum = momentum
+        self.min_compress_numel = min_compress_numel
+        self.eval_every = eval_every
+        self.lag = lag
+        self.jitter = jitter
+        self.latency_s = latency_s
+        self.log_every = log_every
+
+    # ------------------------------------------------------------------ compute calibration
+    def compute_s(self, task: _Task, repeat: int = 40) -> float:
+        """Fastest wall time of one rank's forward + backward + update (batch ``task.batch``), cached per width."""
+        key = f"compute:mlp{task.width:g}:b{task.batch}"
+        known = self.costs.known(key)
+        if known is not None:
+            return known
+        model = _new_model(task)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=self.momentum)
+        batches = list(task.data.train_batches(0, 0, task.world, task.batch, task.seed))
+        times = []
+        for i in range(repeat + 3):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        value = min(times[3:])
+        self.costs.set(key, value)
+        return value
+
+    # ------------------------------------------------------------------ timing model
+    def step_time(self, rec: _StepRecord, wl: Workload, compute_s: float, world: int, rng: random.Random) -> float:
+        comp = wl.compute_ms / 1e3 if wl.compute_ms is not None else compute_s * wl.compute_scale
+        nbytes = cost_model.allreduce_bytes(rec.dense_elems, world, rec.dense_width) if rec.dense_elems else 0.0
+        nbytes += sum(cost_model.allgather_bytes(k, world) for k in rec.gather_elems)
+        collectives = (1 if rec.dense_elems else 0) + len(rec.gather_elems)
+        t = comp + rec.cost_s + nbytes * 8.0 / wl.rate_bps + collectives * self.latency_s
+        if self.jitter > 0:
+            t *= math.exp(rng.gauss(0.0, self.jitter))
+        return t
+
+    # ------------------------------------------------------------------ one run
+    def run(self, task: _Task, method: Method, total_steps: int, wl: Workload | None, label: str) -> RunResult:
+        world = task.world
+        model = _new_model(task)
+        params = [p for p in model.parameters()]
+        names = [n for n, _ in model.named_parameters()]
+        opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+        ranks = [_Rank() for _ in range(world)]
+        if method.kind == "gravac":
+            policy: Any = GravacPolicy(**dict(method.params))
+        else:
+            policy = StaticPolicy(cf=method.cf if method.kind == "topk" else 1.0)
+        compute_s = self.compute_s(task)
+        rng = random.Random(task.seed * 7919 + 17)
+        pending: list[StepStats] = []
+        records: list[_StepRecord] = []
+        evals: list[tuple[int, float]] = [(0, self._accuracy(model, task))]
+        dense_bytes = sum(p.numel() * 4 for p in params)
+        stat_fields = {f.name for f in dataclasses.fields(StepStats)}
+        step = 0
+        sim_t = 0.0
+        started = time.perf_counter()
+        epoch = 0
+        while step < total_steps:
+            iters = [task.data.train_batches(epoch, r, world, task.batch, task.seed) for r in range(world)]
+            for batches in zip(*iters):
+                if step >= total_steps:
+                    break
+                plan: Plan = policy.plan()
+                if method.kind == "fp16":
+                    plan = Plan(send_cf=1.0, probe_cfs=())
+                grads: list[list[torch.Tensor]] = []
+                losses = []
+                for x, y in batches:
+                    model.zero_grad(set_to_none=False)
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    loss.backward()
+                    losses.append(loss.item())
+                    grads.append([p.grad.detach().reshape(-1).clone() for p in params])
+                rec, sums = self._exchange(method, plan, grads, names, ranks, step, params)
+                rec.loss = statistics.fmean(losses)
+                opt.step()
+                step += 1
+                records.append(rec)
+                if wl is not None:
+                    t = self.step_time(rec, wl, compute_s, world, rng)
+                    sim_t += t
+                    kw: dict[str, Any] = {}
+                    extra = {"grad_sq_norm": sums.grad_sq, "grad_norm_sum": sums.grad_norm,
+                             "dense_norm_sum": sums.dense_norm, "compressed_norm_sums": sums.comp_norm}
+                    kw = {k: v for k, v in extra.items() if k in stat_fields}
+                    pending.append(StepStats(sent_cf=plan.send_cf, dense_sq_norm=sums.dense_sq,
+                                             compressed_sq_norms=sums.comp_sq, step_time_s=t,
+                                             samples=float(world * task.batch), **kw))
+                    while len(pending) > self.lag:
+                        policy.observe(pending.pop(0))
+                if step % self.eval_every == 0 or step == total_steps:
+                    evals.append((step, self._accuracy(model, task)))
+                if self.log_every and step % self.log_every == 0:
+                    acc = evals[-1][1]
+                    print(f"  {label}: step {step}/{total_steps}, cf {plan.send_cf:g}, loss {rec.loss:.3f}, "
+                          f"acc {acc:.3f}, {time.perf_counter() - started:.0f}s", flush=True)
+            epoch += 1
+        summary = policy.summary() if method.kind == "gravac" else None
+        return RunResult(label, wl.name if wl else None, task.seed, task.width, records, evals, dense_bytes, summary)
+
+    def _accuracy(self, model: torch.nn.Module, task: _Task) -> float:
+        with torch.no_grad():
+            return float((model(task.x_eval).argmax(1) == task.y_eval).float().mean())
+
+    def _exchange(self, method: Method, plan: Plan, grads: list[list[torch.Tensor]], names: list[str],
+                  ranks: list[_Rank], step: int, params: list[torch.nn.Parameter]) -> tuple[_StepRecord, _Sums]:
+        """Every rank compresses, the aggregate (exact average of what was sent) becomes each .grad."""
+        world = len(ranks)
+        sums = _Sums()
+        dense_elems = 0
+        gather: list[int] = []
+        sent = 0.0
+        probes = tuple(plan.probe_cfs)
+        passthrough = plan.send_cf <= 1 and not probes
+        measured = 0.0
+        for i, (name, p) in enumerate(zip(names, params)):
+            numel = p.numel()
+            if method.kind == "fp16":
+                t0 = time.perf_counter()
+                halves = [grads[r][i].to(torch.float16) for r in range(world)]
+                avg = torch.stack([h.float() for h in halves]).mean(0)
+                measured += (time.perf_counter() - t0) / world
+                dense_elems += numel
+                sent += numel * 2
+                p.grad.copy_(avg.view_as(p))
+                continue
+            if numel < self.min_compress_numel or passthrough:
+                dense_elems += numel
+                sent += numel * 4
+                p.grad.copy_(torch.stack([grads[r][i] for r in range(world)]).mean(0).view_as(p))
+                continue
+            outs = []
+            for r in range(world):
+                t0 = time.perf_counter()
+                outs.append(ranks[r].compress(name, grads[r][i], plan.send_cf, probes, step, world, sums))
+                measured += (time.perf_counter() - t0) / world
+            stats_n = _STATS_FLOATS + len(probes)
+            if outs[0][0] == "dense":
+                dense_elems += numel + stats_n
+                sent += (numel + stats_n) * 4
+                p.grad.copy_(torch.stack([o[1] for o in outs]).mean(0).view_as(p))
+            else:
+                t0 = time.perf_counter()
+                out = torch.empty(numel, dtype=torch.float32)
+                idx = torch.cat([o[1] for o in outs]).contiguous()
+                val = torch.cat([o[2] for o in outs]).contiguous()
+                kernels.zero_scatter(out, idx, val, 1.0 / world)
+                measured += time.perf_counter() - t0  # each rank decompresses the whole gather
+                gather.append(max(o[1].numel() for o in outs))
+                dense_elems += stats_n
+                sent += statistics.fmean(o[1].numel() for o in outs) * 8 + stats_n * 4
+                p.grad.copy_(out.view_as(p))
+        if method.kind == "fp16":
+            key = "cost:fp16"
+            width = 2
+        else:
+            key = f"cost:send={plan.send_cf:g}:probe={','.join(f'{c:g}' for c in probes)}"
+            width = 4
+        cost = 0.0 if passthrough and method.kind != "fp16" else self.costs.charge(
+            f"{key}:params={sum(p.numel() for p in params)}", measured)
+        rec = _StepRecord(plan.send_cf, probes, cost, dense_elems, width, gather, sent, 0.0)
+        return rec, sums
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+def times_for(res: RunResult, sim: Simulator, wl: Workload, compute_s: float, world: int) -> list[float]:
+    """Cumulative simulated time after each step of a static run, at this workload."""
+    rng = random.Random(res.seed * 7919 + 17)
+    out, t = [], 0.0
+    for rec in res.records:
+        t += sim.step_time(rec, wl, compute_s, world, rng)
+        out.append(t)
+    return out
+
+
+def smoothed(evals: list[tuple[int, float]], k: int) -> list[float]:
+    """Mean of each evaluation and the k - 1 before it (fewer at the start): one test-set sample of 360
+    images moves by a quarter point per image, and a single lucky evaluation should not decide a time."""
+    accs = [a for _, a in evals]
+    return [statistics.fmean(accs[max(0, i - k + 1):i + 1]) for i in range(len(accs))]
+
+
+def final_accuracy(evals: list[tuple[int, float]], k: int) -> float:
+    """Mean of the last k evaluations."""
+    return statistics.fmean(a for _, a in evals[-k:])
+
+
+def time_to(evals: list[tuple[int, float]], cum: list[float], target: float,
+            k: int = 1) -> tuple[float | None, float | None]:
+    """(simulated time at the first evaluation whose k-evaluation mean reaches ``target``, time since the
+    previous evaluation: the resolution of that figure)."""
+    prev_t = 0.0
+    for (step, _), acc in zip(evals, smoothed(evals, k)):
+        t = cum[step - 1] if step > 0 else 0.0
+        if acc >= target - 1e-9:
+            return t, t - prev_t
+        prev_t = t
+    return None, None
+
+
+def summarize(res: RunResult, cum: list[float], target: float, k: int) -> dict[str, Any]:
+    tta, res_s = time_to(res.evals, cum, target, k)
+    sent = sum(r.bytes_sent for r in res.records)
+    cfs = [r.send_cf for r in res.records]
+    runs: list[list[float]] = []
+    for cf in cfs:
+        if runs and runs[-1][0] == cf:
+            runs[-1][1] += 1
+        else:
+            runs.append([cf, 1])
+    return {"method": res.method, "seed": res.seed, "tta_s": tta, "tta_resolution_s": res_s,
+            "final_accuracy": final_accuracy(res.evals, k), "last_accuracy": res.evals[-1][1], "target": target,
+            "total_s": cum[-1] if cum else 0.0,
+            "bytes_ratio": res.dense_bytes_per_step * len(res.records) / sent if sent else float("inf"),
+            "mean_step_ms": 1e3 * cum[-1] / len(cum) if cum else 0.0,
+            "final_cf": cfs[-1] if cfs else None, "cf_runs": runs,
+            "probe_steps": sum(1 for r in res.records if r.probes and r.probes != (r.send_cf,)),
+            "evals": res.evals, "times": [round(t, 5) for t in cum],
+            "policy": _plain(res.policy_summary)}
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _fmt_ratio(vals: list[float | None]) -> str:
+    good = [v for v in vals if v is not None]
+    if not good:
+        return "-"
+    missed = len(vals) - len(good)
+    med = statistics.median(good)
+    body = f"{med:.2f}" if len(good) == 1 else f"{med:.2f} [{min(good):.2f}-{max(good):.2f}]"
+    return body + (f" ({missed} not reached)" if missed else "")
+
+
+def analyse(rows: dict[str, dict[str, list[dict[str, Any]]]], methods: list[str]) -> dict[str, Any]:
+    """Per workload and method: ratios per seed to dense and to the best static method of that seed."""
+    out: dict[str, Any] = {}
+    for wl, by_method in rows.items():
+        seeds = sorted({r["seed"] for rs in by_method.values() for r in rs})
+        table = {}
+        for m in methods:
+            per = {r["seed"]: r for r in by_method.get(m, [])}
+            vs_best, vs_dense, speedup, dacc, bytes_r, tta, cf = [], [], [], [], [], [], []
+            for s in seeds:
+                r = per.get(s)
+                if r is None:
+                    continue
+                statics = [by_method[x] for x in by_method if x in _STATIC_LABELS]
+                best = min((rr["tta_s"] for rs in statics for rr in rs if rr["seed"] == s and rr["tta_s"]),
+                           default=None)
+                dense = next((rr for rr in by_method.get("dense", []) if rr["seed"] == s), None)
+                t = r["tta_s"]
+                tta.append(t)
+                vs_best.append(t / best if t and best else None)
+                vs_dense.append(t / dense["tta_s"] if t and dense and dense["tta_s"] else None)
+                speedup.append(dense["tta_s"] / t if t and dense and dense["tta_s"] else None)
+                dacc.append(100 * (r["final_accuracy"] - dense["final_accuracy"]) if dense else None)
+                bytes_r.append(r["bytes_ratio"])
+                cf.append(r["final_cf"])
+            table[m] = {"tta_s": tta, "vs_best_static": vs_best, "vs_dense": vs_dense, "speedup_vs_dense": speedup,
+                        "acc_delta_points": dacc, "bytes_ratio": bytes_r, "final_cf": cf}
+        out[wl] = table
+    return out
+
+
+_STATIC_LABELS: set[str] = set()
+
+
+def markdown(analysis: dict[str, Any], info: dict[str, Any]) -> str:
+    lines = ["# GraVAC simulation", "", f"command: `{info['command']}`", "",
+             f"{info['world']} simulated ranks, digits MLP, batch {info['batch']} per rank, SGD lr {info['lr']:g} "
+             f"momentum {info['momentum']:g}, {info['steps']} steps, evaluation every {info['eval_every']} steps, "
+             f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, observation lag {info['lag']}. "
+             f"Accuracy = mean of the last {info['smooth']} evaluations; target = dense's final accuracy - 1 point. "
+             "Figures: median [min-max] over seeds. `vs best static`: time to target divided by the best of dense, "
+             "fp16 and static top-k on the same seed (lower is better; <= 1.10 is the target); `speed-up`: "
+             "dense's time / this time.", ""]
+    for wl, table in analysis.items():
+        comp = info["compute_ms"].get(wl)
+        lines += [f"## {wl}" + (f" (compute {comp:.1f} ms/step)" if comp else ""), "",
+                  "| method | time to target s | vs best static | speed-up vs dense | final acc - dense (points) "
+                  "| bytes dense/sent | final CF |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for m, r in table.items():
+            tta = _fmt_ratio(r["tta_s"])
+            dacc = [v for v in r["acc_delta_points"] if v is not None]
+            dacc_s = f"{statistics.median(dacc):+.1f} [{min(dacc):+.1f}..{max(dacc):+.1f}]" if dacc else "-"
+            br = r["bytes_ratio"]
+            cfs = sorted({c for c in r["final_cf"] if c is not None})
+            lines.append(f"| {m} | {tta} | {_fmt_ratio(r['vs_best_static'])} | {_fmt_ratio(r['speedup_vs_dense'])} "
+                         f"| {dacc_s} | {statistics.median(br):.1f} [{min(br):.1f}-{max(br):.1f}] "
+                         f"| {', '.join(f'{c:g}' for c in cfs)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(path: Path, rows: dict[str, dict[str, list[dict[str, Any]]]], seed: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(rows)
+    fig, axes = plt.subplots(2, n, figsize=(5 * n, 7), squeeze=False)
+    for j, (wl, by_method) in enumerate(rows.items()):
+        ax, ax2 = axes[0][j], axes[1][j]
+        for m, rs in by_method.items():
+            r = next((x for x in rs if x["seed"] == seed), None)
+            if r is None:
+                continue
+            ts = [0.0] + r["times"]
+            ax.plot([ts[s] for s, _ in r["evals"]], [a for _, a in r["evals"]], label=m, lw=1)
+            if r["cf_runs"] and len(r["cf_runs"]) > 1:
+                cfs = [cf for cf, n_ in r["cf_runs"] for _ in range(int(n_))]
+                ax2.step(range(1, len(cfs) + 1), cfs, label=m, lw=1)
+        ax.set_title(f"{wl} (seed {seed})")
+        ax.set_xlabel("simulated time s")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0.8, 1.0)
+        ax.legend(fontsize=6)
+        ax2.set_yscale("log")
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("sent CF")
+        ax2.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sim_gravac", description=__doc__.splitlines()[0],
+                                epilog="\n".join(__doc__.splitlines()[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                   help="dense, fp16, topk:CF, gravac, gravac:key=value,... (LABEL=SPEC names one); dense and "
+                        "the static methods are always needed for the ratios and are added if missing "
+                        f"(default: {' '.join(DEFAULT_METHODS)})")
+    p.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS),
+                   help="mlpWIDTH@RATE[:xSCALE|:MSms]: model width (1: hidden 512), link rate, compute x SCALE or "
+                        f"fixed MS ms per step (default: {' '.join(DEFAULT_WORKLOADS)})")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (default 0)")
+    p.add_argument("--ranks", type=int, default=2, help="simulated ranks (default 2)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch per rank (default 32)")
+    p.add_argument("--epochs", type=int, default=20, help="epochs (default 20: 440 steps with 2 ranks)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: all epochs)")
+    p.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default 0.2, BENCHMARKS.md's)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0, BENCHMARKS.md's)")
+    p.add_argument("--min-compress-numel", type=int, default=4096,
+                   help="smaller tensors go dense (default 4096, BENCHMARKS.md's)")
+    p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps (default 4)")
+    p.add_argument("--smooth", type=int, default=3,
+                   help="accuracy used for targets and times: mean of the last K evaluations (default 3)")
+    p.add_argument("--lag", type=int, default=1,
+                   help="observations fed this many steps late (default 1: the torch glue plans step t+1 "
+                        "after observing step t-1)")
+    p.add_argument("--jitter", type=float, default=0.05,
+                   help="log-normal sigma of a random factor on every simulated step time (default 0.05)")
+    p.add_argument("--latency-us", type=float, default=50.0, help="latency per collective in us (default 50)")
+    p.add_argument("--costs", default=None, help="JSON of measured costs to reuse (a previous run's 'costs')")
+    p.add_argument("--out", default="results/sim_gravac", help="output folder (default results/sim_gravac)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--log-every", type=int, default=0, help="log a line every N steps of each run (default 0)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    try:
+        methods = [parse_method(s) for s in a.methods]
+        workloads = [parse_workload(s) for s in a.workloads]
+    except (ValueError, TypeError) as exc:
+        p.error(str(exc))
+    if a.ranks < 2:
+        p.error("--ranks must be >= 2")
+    labels = [m.label for m in methods]
+    for need in ("dense", "fp16", "topk:10", "topk:100", "topk:1000"):
+        if need not in labels:
+            methods.insert(0, parse_method(need))
+            labels.insert(0, need)
+    if len(set(labels)) != len(labels):
+        p.error(f"method labels must differ: {labels}")
+    _STATIC_LABELS.clear()
+    _STATIC_LABELS.update(m.label for m in methods if m.static)
+    saved = json.loads(Path(a.costs).read_text())["costs"] if a.costs else None
+    costs = CostBook(saved=saved)
+    sim = Simulator(costs, lr=a.lr, momentum=a.momentum, min_compress_numel=a.min_compress_numel,
+                    eval_every=a.eval_every, lag=a.lag, jitter=a.jitter, latency_s=a.latency_us * 1e-6,
+                    log_every=a.log_every)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    widths = sorted({w.width for w in workloads})
+    statics = [m for m in methods if m.static]
+    adaptive = [m for m in methods if not m.static]
+    n_runs = len(a.seeds) * (len(widths) * len(statics) + len(workloads) * len(adaptive))
+    done = 0
+    begin = time.perf_counter()
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {w.name: {} for w in workloads}
+    compute_ms: dict[str, float] = {}
+
+    def tick(what: str, extra: str) -> None:
+        nonlocal done
+        done += 1
+        el = time.perf_counter() - begin
+        eta = el / done * (n_runs - done)
+        bar = "#" * int(20 * done / n_runs)
+        print(f"[{bar:<20}] {done}/{n_runs} {what}: {extra} ({el:.0f}s, ~{eta:.0f}s left)", flush=True)
+
+    for seed in a.seeds:
+        for width in widths:
+            task = _build_task(seed, width, a.ranks, a.batch_size)
+            total = a.steps or task.steps_per_epoch * a.epochs
+            comp = sim.compute_s(task)
+            for wl in workloads:
+                if wl.width == width:
+                    compute_ms[wl.name] = 1e3 * (wl.compute_ms / 1e3 if wl.compute_ms else comp * wl.compute_scale)
+            static_res = {}
+            for m in statics:
+                res = sim.run(task, m, total, None, f"{m.label} seed {seed} mlp{width:g}")
+                static_res[m.label] = res
+                tick(f"{m.label} seed {seed} mlp{width:g}", f"final acc {res.evals[-1][1]:.3f}")
+            for wl in (w for w in workloads if w.width == width):
+                target = final_accuracy(static_res["dense"].evals, a.smooth) - 0.01
+                for label, res in static_res.items():
+                    cum = times_for(res, sim, wl, comp, a.ranks)
+                    rows[wl.name].setdefault(label, []).append(summarize(res, cum, target, a.smooth))
+                for m in adaptive:
+                    res = sim.run(task, m, total, wl, f"{m.label} seed {seed} {wl.name}")
+                    cum = list(_cumsum(res, sim, wl, comp, a.ranks))
+                    s = summarize(res, cum, target, a.smooth)
+                    rows[wl.name].setdefault(m.label, []).append(s)
+                    dense_tta = rows[wl.name]["dense"][-1]["tta_s"]
+                    ratio = f"{dense_tta / s['tta_s']:.2f}x dense" if s["tta_s"] and dense_tta else "not reached"
+                    tick(f"{m.label} seed {seed} {wl.name}",
+                         f"final acc {s['final_accuracy']:.3f}, {ratio}, bytes /{s['bytes_ratio']:.1f}, "
+                         f"final CF {s['final_cf']:g}")
+    analysis = analyse(rows, [m.label for m in methods])
+    info = {"command": " ".join(["python benchmarks/sim_gravac.py", *(argv if argv is not None else sys.argv[1:])]),
+            "world": a.ranks, "batch": a.batch_size, "smooth": a.smooth, "lr": a.lr, "momentum": a.momentum,
+            "eval_every": a.eval_every,
+            "steps": a.steps or f"{a.epochs} epochs", "seeds": a.seeds, "jitter": a.jitter, "lag": a.lag,
+            "compute_ms": compute_ms, "latency_us": a.latency_us, "min_compress_numel": a.min_compress_numel,
+            "methods": {m.label: {"kind": m.kind, "cf": m.cf, "params": dict(m.params)} for m in methods},
+            "torch": torch.__version__, "kernels": kernels.kernels_available()}
+    md = markdown(analysis, info)
+    (out / "results.md").write_text(md + "\n")
+    (out / "results.json").write_text(json.dumps({"info": info, "costs": costs.table(), "analysis": analysis,
+                                                   "runs": rows}, indent=1, default=str) + "\n")
+    print("\n" + md)
+    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    if not a.no_plot:
+        try:
+            plot(out / "results.png", rows, a.seeds[0])
+            print(f"wrote {out / 'results.png'}")
+        except ImportError:
+            print("matplotlib missing: no PNG")
+    return 0
+
+
+def _cumsum(res: RunResult, sim: Simulator, wl: Workload, comp: float, world: int) -> list[float]:
+    """The times a GraVAC run was simulated with (same jitter stream as during the run)."""
+    return times_for(res, sim, wl, comp, world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
