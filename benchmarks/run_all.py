@@ -29,6 +29,11 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 IMG = Path("docs/img/bench")
 
+
+def image_dir(report: Path) -> Path:
+    """Where a report's plots go: docs/img/bench for BENCHMARKS.md, docs/img/<report name> for another."""
+    return IMG if report.name == "BENCHMARKS.md" else Path("docs/img") / report.stem
+
 #: the time-to-accuracy matrix (issue 12): what a user could fix by hand, and the adaptive methods with
 #: their defaults (`gravac` is `AdaptiveCompression()` exactly as the README writes it; `dqsgd` is
 #: `AdaptiveCompression(policy="dqsgd", total_steps=T)`)
@@ -353,7 +358,8 @@ def _crossover_targets(res: dict[str, Any]) -> list[str]:
 def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: list[str], wall: float,
                  rerendered: bool = False) -> None:
     """BENCHMARKS.md: machine, targets, then every section with its commands, output, tables and plots."""
-    img_root = REPO / IMG
+    img = image_dir(path)
+    img_root = REPO / img
     if img_root.exists():  # the report owns this folder: no plot from an older run survives
         shutil.rmtree(img_root)
     img_root.mkdir(parents=True)
@@ -391,7 +397,7 @@ def write_report(path: Path, secs: list[Section], info: dict[str, Any], argv: li
             if img.is_file():
                 dest = img_root / f"{sec.key}-{img.name}"
                 shutil.copyfile(img, dest)
-                body += [f"![{sec.key} {img.stem}]({IMG / dest.name})", ""]
+                body += [f"![{sec.key} {img.stem}]({os.path.relpath(img_root / dest.name, (REPO / path).parent)})", ""]
     tgt = targets(secs)
     if tgt:
         out += ["## Targets from the issues, as measured in this run", "", "| target | measured |", "|---|---|",
