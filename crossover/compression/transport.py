@@ -55,10 +55,15 @@ def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name:
                    packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """Rank-specific (index, value bits) pairs by allgather; the host reduces only the statistics.
 
-    `packed` is a reusable int32 buffer of shape (count, 2).
+    `packed` is a reusable int32 buffer of shape (rows, 2), rows >= the selection's count; rows beyond
+    it are padding, (index 0, value +0.0) pairs that add nothing when decoded (hosts whose allgather
+    needs the same size on every rank).
     """
-    packed[:, 0] = sel.idx
-    packed[:, 1] = sel.val.view(torch.int32)
+    n = sel.idx.numel()
+    packed[:n, 0] = sel.idx
+    packed[:n, 1] = sel.val.view(torch.int32)
+    if packed.shape[0] > n:
+        packed[n:].zero_()
     return stats, comm.allgather_async(packed, name)
 
 
