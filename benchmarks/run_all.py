@@ -146,6 +146,16 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
             + ("; `gravac-eps0.9` is the paper's epsilon." if rate == "1gbit" and not quick else "."),
             tta_runs(out / f"tta-{rate}", rate, width, epochs, quick), needs_netem=True, render=render_compare))
     s.append(Section(
+        "ddp", "PyTorch DDP communication hooks at 1 Gbit/s, 2 emulated hosts",
+        "The digits MLP (width 4: 4.3 M parameters) trained by PyTorch DDP with no hook (dense), PyTorch's "
+        "fp16_compress_hook and powerSGD_hook (rank 1 and 4, one bucket, vanilla allreduce for the first 10 % "
+        "of the steps), crossover's adaptive_hook with AdaptiveState() defaults and with static top-k 100, "
+        "and Horovod with AdaptiveCompression() defaults: same task, link, epochs and learning rate (SGD 0.2). "
+        "Wire bytes are measured on the emulated links; the target is DDP dense's final accuracy, checked once "
+        "per epoch (docs/ddp.md).",
+        [Run([py, "-m", "benchmarks.bench_ddp", "--rate", "1gbit", "--hosts", "2", "--epochs", "1" if quick else "12",
+              "--out", str(out / "ddp"), "--json", str(out / "ddp.json")])], needs_netem=True))
+    s.append(Section(
         "workloads", "CIFAR, ImageNet and PTB shaped workloads at 1 Gbit/s (synthetic data)",
         "Step time and bytes of ResNet-18 (CIFAR shape, half width), VGG-16 (ImageNet head, 32x32 inputs, half "
         "width: 34 M parameters, mostly in the classifier) and a 2-layer LSTM language model (half width) over "
@@ -269,6 +279,14 @@ def targets(secs: list[Section]) -> list[str]:
                 d = g["final_minus_dense"]
                 lines.append("| GraVAC final accuracy within 1 point of dense | " + (
                     "-" if d is None else f"{100 * d:+.2f} points ({'PASS' if d >= -0.01 else 'FAIL'})") + " |")
+    ddp = by_key.get("ddp")
+    if ddp is not None and ddp.status == "ok" and "--json" in ddp.runs[0].argv:
+        path = Path(ddp.runs[0].argv[ddp.runs[0].argv.index("--json") + 1])
+        if path.is_file():
+            for t in json.loads(path.read_text())["targets"]:
+                m = t["measured"]
+                shown = "-" if m is None else (f"{100 * m:+.2f} points" if "within" in t["target"] else f"{m:.2f}x")
+                lines.append(f"| DDP: {t['target']} | {shown} ({'PASS' if t['pass'] else 'FAIL'}) |")
     cx = by_key.get("crossover")
     if cx is not None and cx.status == "ok" and "--json" in cx.runs[0].argv:
         path = Path(cx.runs[0].argv[cx.runs[0].argv.index("--json") + 1])

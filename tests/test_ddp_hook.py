@@ -77,7 +77,9 @@ def job_versus_ddp(steps: int) -> dict:
            "buckets below min_compress_numel": {"min_compress_numel": 10**9}}
     lossy = {"fp16": {"policy": "fp16"}, "qsgd8": {"policy": "qsgd", "bits": 8},
              "dqsgd": {"policy": "dqsgd", "total_steps": steps, "lr": 0.1, "min_compress_numel": 1024},
-             "randomk": {"policy": "static", "compressor": "randomk", "cf": 4, "min_compress_numel": 1024}}
+             "randomk": {"policy": "static", "compressor": "randomk", "cf": 4, "min_compress_numel": 1024},
+             "topk-pad": {"policy": "static", "cf": 4, "min_compress_numel": 1024},
+             "topk-counts": {"policy": "static", "cf": 4, "min_compress_numel": 1024, "gather": "counts"}}
     hooked = {}
     for name, settings in {**off, **lossy}.items():
         d = DDP(copy.deepcopy(base), bucket_cap_mb=0.1)
@@ -291,6 +293,7 @@ def test_fp16_quantization_and_randomk_hooks(versus_ddp):
         assert max(r["errs"]["fp16"]) < 2e-3
         assert max(r["errs"]["qsgd8"]) < 0.5 and max(r["errs"]["dqsgd"]) < 1.5
         assert all(e == e for e in r["errs"]["randomk"])  # finite
+        assert max(r["errs"]["topk-pad"]) < 1 and max(r["errs"]["topk-counts"]) < 1
         for name, keys in expect.items():
             assert r["keys"][name] == keys, name
         for name in r["errs"]:
@@ -385,6 +388,7 @@ def test_error_feedback_survives_ddp_bucket_rebuild():
     {"policy": "dqsgd", "total_steps": 100, "lr": 0.1, "transport": "carrier-pigeon"},
     {"policy": "qsgd", "bits": 1},
     {"policy": "fp16", "cf": 2},
+    {"gather": "sideways"},
 ])
 def test_bad_settings_raise_at_construction(settings):
     with pytest.raises(ValueError):

@@ -55,11 +55,14 @@ from crossover.compression.sparse_codec import SparseCodec
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives
 
-__all__ = ["AdaptiveState", "adaptive_hook", "POLICIES"]
+__all__ = ["AdaptiveState", "adaptive_hook", "POLICIES", "GATHERS"]
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("gravac", "dqsgd", "static", "qsgd", "fp16")
+#: How rank-specific selections travel (Gloo's allgather needs one size on every rank): "pad" sends
+#: exactly k pairs per rank (one collective); "counts" exchanges the counts first (a blocking extra one).
+GATHERS = ("pad", "counts")
 STATE_VERSION = 1
 LR = Union[float, Callable[[int], float]]
 Future = torch.futures.Future
@@ -193,11 +196,15 @@ class _SparseEngine(_CodecEngine):
     """A compression-factor policy (GraVAC, static) driving a sparsifying codec."""
 
     def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
-                 min_compress_numel: int, seed: int, log_csv: str | None) -> None:
+                 min_compress_numel: int, seed: int, log_csv: str | None, gather: str) -> None:
+        if gather not in GATHERS:
+            raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
         self.name = name
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
-                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True)
+                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)),
+                                 fixed_gather=gather == "pad")
         super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
+        self.comm.equal_sizes = gather == "pad"
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
                                        rank=self.comm.rank)
         self.compressor = compressor
@@ -339,22 +346,22 @@ class _Fp16Engine(_Engine):
 # ---------------------------------------------------------------------------------------------
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
-                  log_csv: str | None = None, **gravac: Any) -> _Engine:
+                  log_csv: str | None = None, gather: str = "pad", **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
         policy = gravac_or_dense(bool(enabled), **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
-                  log_csv: str | None = None) -> _Engine:
+                  log_csv: str | None = None, gather: str = "pad") -> _Engine:
     make_selector(compressor)
     return _SparseEngine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather)
 
 
 def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
@@ -401,7 +408,8 @@ class AdaptiveState:
       ``omega``, ``window``, ``scaling``, ``warmup_steps``, ``ewma_alpha``: unset ones keep GravacPolicy's
       defaults), ``enabled=False`` (exact DDP averaging, for comparisons), ``error_feedback``,
       ``min_compress_numel`` (buckets smaller than this go dense), ``seed``, ``log_csv`` (per-step CSV,
-      may contain ``{rank}``).
+      may contain ``{rank}``), ``gather`` ("pad": every rank sends exactly k (index, value) pairs in one
+      allgather, the default; "counts": the counts go first, then the selections, padded to the largest).
     * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings.
     * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
       number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,
