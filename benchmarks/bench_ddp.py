@@ -3,9 +3,13 @@
     python -m benchmarks.bench_ddp --rate 1gbit --hosts 2 --epochs 12      # the make-bench run (root)
     python -m benchmarks.bench_ddp --methods none,fp16,adaptive --epochs 2  # a smaller comparison
 
-Every method trains the same digits MLP (benchmarks.models, --width 4: hidden 2048, 4.3 M parameters) on
-the same shards, learning rate and epochs, one process per emulated host (crossover.netem: one network
-namespace per host, full-duplex links of --rate; needs root):
+Every method trains the same digits MLP (benchmarks.models, --width 4: hidden 2048, 4.3 M parameters) from
+the same initial weights on the same batches, learning rate and epochs, one process per emulated host
+(crossover.netem: one network namespace per host, full-duplex links of --rate; needs root). The DDP
+methods train side by side in one job, one step of each in turn (who goes first rotates), so that a
+shared machine's changing load hits them alike; each method's clock runs only during its own steps (its
+training time, and the step time GraVAC sees through AdaptiveState(clock=...)). Each Horovod method runs
+in a job of its own afterwards (Horovod's hook times steps by wall clock).
 
   none           PyTorch DDP, no hook (dense fp32): its final accuracy is the target
   fp16           DDP with PyTorch's fp16_compress_hook
@@ -18,7 +22,7 @@ namespace per host, full-duplex links of --rate; needs root):
   hvd-none       Horovod, no compression
 
 Per method the table gives the median step time, bytes per step as counted by the hook (dense/sent)
-and as measured on the emulated links (both directions of every host, headers included), the final
+and as measured on the emulated links (what every host sent during the method's steps, headers included), the final
 accuracy and the training time until the dense run's final accuracy was first reached (evaluated
 every epoch). Results: OUT/<method>/results.json (benchmarks.report format), OUT/compare/ (table and
 plots), OUT/ddp.json (everything, with the targets of issue 13 checked).
@@ -82,27 +86,150 @@ class _DistShim:
         return [self.allreduce(t, op) for t in tensors]
 
 
-def _hook_bytes(method: str, hook_state: Any, dense_per_step: int) -> tuple[int, int, float | None, int | None]:
-    """Cumulative (bytes sent, bytes dense, CF, bits) of this rank so far, as the method counts them."""
-    if hook_state is None:
-        return 0, 0, None, None
-    if method.startswith("powersgd"):
-        before, after = hook_state.total_numel_before_compression, hook_state.total_numel_after_compression
-        return 4 * after, 4 * before, (before / after if after else 1.0), None
-    st = hook_state.stats()
-    cf = st.get("compression_factor")
-    return int(st["bytes_sent"]), int(st["bytes_dense"]), (None if cf is None else float(cf)), st.get("bits")
+class _Clock:
+    """Seconds spent in one method's steps only: it runs while that method steps and stops in between.
+
+    Several methods train side by side in the same processes; each method's train time and the step
+    time its policy sees (AdaptiveState(clock=...)) must not include the other methods' steps.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start: float | None = None
+
+    def __call__(self) -> float:
+        return self.total + (time.perf_counter() - self._start if self._start is not None else 0.0)
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        """End the step; return its duration."""
+        assert self._start is not None
+        d = time.perf_counter() - self._start
+        self.total += d
+        self._start = None
+        return d
+
+
+def _wire_tx() -> int:
+    """Bytes this emulated host sent on its link so far (its veth end: all of this rank's traffic)."""
+    try:
+        return int(Path(f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME', 'eth0')}/statistics/tx_bytes")
+                   .read_text())
+    except OSError:
+        return 0
+
+
+class _Method:
+    """One method training side by side with the others: its model, optimizer, hook state and records."""
+
+    def __init__(self, name: str, train_model: Any, eval_model: Any, opt: Any, hook_state: Any, clock: _Clock,
+                 dense_per_step: int, lr: float) -> None:
+        self.name, self.train_model, self.eval_model, self.opt = name, train_model, eval_model, opt
+        self.hook_state, self.clock, self.dense_per_step, self.lr = hook_state, clock, dense_per_step, lr
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.last = (0, 0)
+        self.wire = 0
+        self.count = 0
+
+    def counted(self) -> tuple[int, int, float | None, int | None]:
+        """(bytes sent, bytes dense, CF, bits) of the step just taken, as the method counts them."""
+        m, st = self.name, self.hook_state
+        cf: float | None = None
+        bits = None
+        if m.startswith("powersgd"):
+            sent, dense = 4 * st.total_numel_after_compression, 4 * st.total_numel_before_compression
+            if dense == self.last[1]:  # vanilla allreduce before start_powerSGD_iter: PowerSGD counts nothing
+                return self.dense_per_step, self.dense_per_step, 1.0, None
+        elif st is not None and hasattr(st, "stats"):
+            s = st.stats()
+            sent, dense, cf, bits = int(s["bytes_sent"]), int(s["bytes_dense"]), s.get("compression_factor"), \
+                s.get("bits")
+        else:  # no counters: dense, or the fp16 hook's half
+            half = m == "fp16"
+            return (self.dense_per_step // 2 if half else self.dense_per_step), self.dense_per_step, \
+                (2.0 if half else 1.0), None
+        d_sent, d_dense = sent - self.last[0], dense - self.last[1]
+        self.last = (sent, dense)
+        if m.startswith("powersgd"):
+            cf = d_dense / d_sent if d_sent else None
+        return d_sent, d_dense, None if cf is None else float(cf), bits
+
+    def step(self, x: Any, y: Any, epoch: int, me: bool) -> None:
+        import torch
+
+        tx = _wire_tx()
+        self.clock.start()
+        self.opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self.train_model(x), y)
+        loss.backward()
+        self.opt.step()
+        d = self.clock.stop()
+        self.wire += _wire_tx() - tx
+        self.count += 1
+        sent, dense, cf, bits = self.counted()
+        if me:
+            self.steps.append({"step": self.count, "epoch": epoch, "t": round(self.clock.total, 6),
+                               "time": round(time.time(), 6), "step_s": round(d, 6), "data_s": 0.0,
+                               "loss": loss.item(), "bytes_sent": sent, "bytes_dense": dense, "cf": cf, "bits": bits,
+                               "lr": self.lr})
+
+
+def _ddp_method(name: str, model: Any, cfg: dict[str, Any]) -> _Method:
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from crossover.ddp import AdaptiveState, adaptive_hook
+
+    clock = _Clock()
+    one_bucket = name.startswith("powersgd")
+    net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 if one_bucket else None)
+    state: Any = None
+    if name == "fp16":
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif one_bucket:
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(name[-1]),
+                                            start_powerSGD_iter=max(2, int(cfg["powersgd_start"])))
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name == "adaptive":
+        state = AdaptiveState(clock=clock)
+    elif name.startswith("topk100"):
+        state = AdaptiveState(policy="static", cf=100, gather="counts" if name.endswith("counts") else "pad",
+                              clock=clock)
+    if isinstance(state, AdaptiveState):
+        net.register_comm_hook(state, adaptive_hook)
+    lr = float(cfg["lr"])
+    return _Method(name, net, net.module, torch.optim.SGD(net.parameters(), lr=lr), state, clock,
+                   sum(p.numel() * 4 for p in model.parameters()), lr)
+
+
+def _hvd_method(name: str, model: Any, cfg: dict[str, Any]) -> _Method:
+    import horovod.torch as hvd
+    import torch
+
+    from crossover import AdaptiveCompression
+
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    comp = AdaptiveCompression() if name == "hvd-adaptive" else None
+    kw = {} if comp is None else {"compression": comp}
+    lr = float(cfg["lr"])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=[(f"{name}.{n}", p) for n, p in model.named_parameters()], **kw)
+    return _Method(name, model, model, opt, comp, _Clock(), sum(p.numel() * 4 for p in model.parameters()), lr)
 
 
 def worker(cfg: dict[str, Any]) -> None:
-    """Train as configured; rank 0 writes raw.json (benchmarks.trainer's format) into cfg['out']."""
+    """Train every method of cfg['methods'] side by side, one step of each in turn (rotating who goes
+    first), on the same batches; rank 0 writes each method's raw.json (benchmarks.trainer's format)."""
     import torch
 
     from benchmarks.datasets import load_dataset
     from benchmarks.models import build_model, count_parameters
     from benchmarks.trainer import evaluate
 
-    method, host = cfg["method"], cfg["host"]
+    host = cfg["host"]
     torch.set_num_threads(1)
     if host == "ddp":
         import torch.distributed as dist
@@ -116,96 +243,45 @@ def worker(cfg: dict[str, Any]) -> None:
         comm = hvd
     rank, size = comm.rank(), comm.size()
     seed = int(cfg["seed"])
-    torch.manual_seed(seed)
     data = load_dataset("digits", None, seed=seed)
     batch = int(cfg["batch_size"])
     per_epoch = data.steps_per_epoch(size, batch)
-    total = per_epoch * int(cfg["epochs"])
-    model = build_model("mlp", "digits", data.num_classes, width=float(cfg["width"]), in_channels=data.shape[0])
-    dense_per_step = sum(p.numel() * 4 for p in model.parameters())
-    lr = float(cfg["lr"])
-    hook_state: Any = None
-    if host == "ddp":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        from crossover.ddp import AdaptiveState, adaptive_hook
-
-        one_bucket = method.startswith("powersgd")
-        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 if one_bucket else None)
-        if method == "fp16":
-            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif one_bucket:
-            hook_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[-1]),
-                                                     start_powerSGD_iter=max(2, int(cfg["powersgd_start"])))
-            net.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
-        elif method == "adaptive":
-            hook_state = AdaptiveState()
-        elif method.startswith("topk100"):
-            hook_state = AdaptiveState(policy="static", cf=100,
-                                       gather="counts" if method.endswith("counts") else "pad")
-        if isinstance(hook_state, AdaptiveState):
-            net.register_comm_hook(hook_state, adaptive_hook)
-        opt = torch.optim.SGD(net.parameters(), lr=lr)
-        train_model, eval_model = net, net.module
-    else:
-        import horovod.torch as hvd
-
-        from crossover import AdaptiveCompression
-
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hook_state = AdaptiveCompression() if method == "hvd-adaptive" else None
-        kw = {} if hook_state is None else {"compression": hook_state}
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
-                                       named_parameters=model.named_parameters(), **kw)
-        train_model = eval_model = model
+    methods = []
+    for name in cfg["methods"]:
+        torch.manual_seed(seed)  # the same initial weights for every method
+        model = build_model("mlp", "digits", data.num_classes, width=float(cfg["width"]), in_channels=data.shape[0])
+        methods.append((_ddp_method if host == "ddp" else _hvd_method)(name, model, cfg))
     me = rank == 0
-    out = Path(cfg["out"])
-    steps: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-    meta = {"size": size, "parameters": count_parameters(model), "gradient_bytes_dense": dense_per_step,
-            "steps_per_epoch": per_epoch, "total_steps": total, "data_info": data.info,
-            "num_classes": data.num_classes, "text": False, "metric": "accuracy", "job": "", "host": host}
-    comm.allreduce(torch.zeros(1), name="bench.ready")  # start the clock together
-    train_s, step, last = 0.0, 0, (0, 0)
+    comm.allreduce(torch.zeros(1), name="bench.ready")  # start the clocks together
     t_start = time.perf_counter()
+    step = 0
     for epoch in range(1, int(cfg["epochs"]) + 1):
-        t_data = time.perf_counter()
         for x, y in data.train_batches(epoch, rank, size, batch, seed):
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(train_model(x), y)
-            loss.backward()
-            opt.step()
-            t1 = time.perf_counter()
+            k = step % len(methods)
+            for m in methods[k:] + methods[:k]:
+                m.step(x, y, epoch, me)
             step += 1
-            train_s += t1 - t_data
-            sent, dense, cf, bits = _hook_bytes(method, hook_state, dense_per_step)
-            if hook_state is None or (method.startswith("powersgd") and dense == last[1]):
-                d_sent = dense_per_step // 2 if method == "fp16" else dense_per_step  # no counters: dense (or fp16)
-                d_dense = dense_per_step
-                cf = 2.0 if method == "fp16" else 1.0
-            else:
-                d_sent, d_dense = sent - last[0], dense - last[1]
-            last = (sent, dense)
+        for m in methods:
+            t = time.perf_counter()
+            res = evaluate(m.eval_model, data, False, batch, comm)
+            m.evals.append({"epoch": epoch, "step": m.count, "train_s": m.clock.total,
+                            "wall_s": time.perf_counter() - t_start, "eval_s": time.perf_counter() - t, **res})
             if me:
-                steps.append({"step": step, "epoch": epoch, "t": round(train_s, 6), "time": round(time.time(), 6),
-                              "step_s": round(t1 - t0, 6), "data_s": round(t0 - t_data, 6), "loss": loss.item(),
-                              "bytes_sent": d_sent, "bytes_dense": d_dense, "cf": cf, "bits": bits, "lr": lr})
-            t_data = time.perf_counter()
-        t = time.perf_counter()
-        res = evaluate(eval_model, data, False, batch, comm)
-        evals.append({"epoch": epoch, "step": step, "train_s": train_s, "wall_s": time.perf_counter() - t_start,
-                      "eval_s": time.perf_counter() - t, **res})
+                log.info("%s epoch %d: accuracy %.4f (train %.1f s)", m.name, epoch, res["accuracy"], m.clock.total)
+    for m in methods:
+        wire = comm.allreduce(torch.tensor([float(m.wire)], dtype=torch.float64), op=comm.Sum, name="bench.wire")
+        meta = {"size": size, "parameters": count_parameters(m.eval_model), "gradient_bytes_dense": m.dense_per_step,
+                "steps_per_epoch": per_epoch, "total_steps": m.count, "data_info": data.info,
+                "num_classes": data.num_classes, "text": False, "metric": "accuracy", "job": "", "host": host,
+                "wall_s": time.perf_counter() - t_start, "train_s": m.clock.total, "wire_bytes": int(wire.item()),
+                "methods_side_by_side": [x.name for x in methods]}
+        if m.hook_state is not None and hasattr(m.hook_state, "stats"):
+            meta["compression_stats"] = {k: v for k, v in m.hook_state.stats().items() if k != "policy"}
         if me:
-            log.info("%s epoch %d: accuracy %.4f (train %.1f s)", method, epoch, res["accuracy"], train_s)
-    meta["wall_s"] = time.perf_counter() - t_start
-    meta["train_s"] = train_s
-    if hook_state is not None and hasattr(hook_state, "stats"):
-        meta["compression_stats"] = {k: v for k, v in hook_state.stats().items() if k != "policy"}
-    if me:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "raw.json").write_text(json.dumps({"meta": {**meta, "finished": True}, "steps": steps,
-                                                  "evals": evals}))
+            out = Path(cfg["outs"][m.name])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "raw.json").write_text(json.dumps({"meta": {**meta, "finished": True}, "steps": m.steps,
+                                                      "evals": m.evals}))
     if host == "ddp":
         import torch.distributed as dist
 
@@ -258,7 +334,7 @@ def _run_horovod(cluster: Any, cmd: list[str], env: dict[str, str], timeout: flo
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every method on one emulated cluster, one after another; results written to args.out."""
+    """The DDP methods side by side in one job, then each Horovod method in its own; results to args.out."""
     from benchmarks import report
     from crossover import netem
 
@@ -269,48 +345,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     steps_total = (1437 // args.hosts // args.batch_size) * args.epochs  # digits: 1437 training images
     powersgd_start = args.powersgd_start if args.powersgd_start is not None else max(2, steps_total // 10)
+    ddp = [m for m in methods if not m.startswith("hvd-")]
+    jobs = ([("ddp", ddp)] if ddp else []) + [("horovod", [m]) for m in methods if m.startswith("hvd-")]
+    common = {"model": "mlp", "dataset": "digits", "data": None, "width": args.width, "epochs": args.epochs,
+              "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "warmup": args.warmup,
+              "hosts": args.hosts, "np": 1, "bandwidth": args.rate, "target": None, "powersgd_start": powersgd_start}
     results: dict[str, Any] = {}
     paths = []
     with netem.EmulatedCluster(args.hosts, args.rate) as cluster:
-        for i, m in enumerate(methods):
-            run_dir = out / m
-            (run_dir / "raw.json").unlink(missing_ok=True)
-            host = "horovod" if m.startswith("hvd-") else "ddp"
-            cfg = {"method": m, "host": host, "label": "none" if m == "none" else m, "compression": m,
-                   "model": "mlp", "dataset": "digits", "data": None, "width": args.width, "epochs": args.epochs,
-                   "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "warmup": args.warmup,
-                   "hosts": args.hosts, "np": 1, "bandwidth": args.rate, "target": None,
-                   "powersgd_start": powersgd_start, "out": str(run_dir)}
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-            cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--worker", str(run_dir / "config.json")]
-            before = [cluster.link_bytes(h) for h in range(args.hosts)]
+        for j, (host, names) in enumerate(jobs):
+            outs = {m: str(out / m) for m in names}
+            for m in names:
+                (out / m).mkdir(parents=True, exist_ok=True)
+                (out / m / "raw.json").unlink(missing_ok=True)
+            cfg = {**common, "host": host, "methods": names, "outs": outs}
+            cfg_path = out / f"job{j}-{host}.json"
+            cfg_path.write_text(json.dumps(cfg, indent=1))
+            cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--worker", str(cfg_path)]
             t0 = time.monotonic()
-            print(f"[{i + 1}/{len(methods)}] {m}: {NAMES[m]}", flush=True)
+            load = os.getloadavg()[0]
+            print(f"[job {j + 1}/{len(jobs)}] {host}: {', '.join(names)} (side by side; load average {load:.1f})",
+                  flush=True)
             if host == "ddp":
-                rc, text = _run_ddp(cluster, cmd, env, 29500 + i, args.timeout)
+                rc, text = _run_ddp(cluster, cmd, env, 29500 + j, args.timeout)
             else:
                 rc, text = _run_horovod(cluster, cmd, env, args.timeout)
-            after = [cluster.link_bytes(h) for h in range(args.hosts)]
-            (run_dir / "job.log").write_text(text)
-            raw_path = run_dir / "raw.json"
-            if rc or not raw_path.exists():
-                print(f"  {m} failed (exit {rc}); last lines:\n" + "\n".join(text.splitlines()[-25:]), flush=True)
-                results[m] = {"failed": rc or "no result"}
-                continue
-            raw = json.loads(raw_path.read_text())
-            res = report.write_run(raw, cfg, run_dir, plots=False)
-            wire = sum(a[0] - b[0] for a, b in zip(after, before))  # every host's upload = all traffic once
-            steps = len(raw["steps"])
-            s = res["summary"]
-            results[m] = {"name": NAMES[m], "median_step_s": s["median_step_s"], "final_accuracy": s["final_metric"],
-                          "bytes_ratio": s["compression_ratio"], "wire_bytes": wire,
-                          "wire_bytes_per_step": wire / max(1, steps), "steps": steps, "train_s": s["train_s"],
-                          "job_s": time.monotonic() - t0, "cf_final": s["cf_final"],
-                          "compression_stats": raw["meta"].get("compression_stats")}
-            paths.append(run_dir / "results.json")
-            print(f"  median step {1e3 * (s['median_step_s'] or 0):.1f} ms, final accuracy {s['final_metric']:.4f}, "
-                  f"wire {wire / max(1, steps) / 1e6:.2f} MB/step, {time.monotonic() - t0:.0f} s", flush=True)
+            (out / f"job{j}-{host}.log").write_text(text)
+            for m in names:
+                raw_path = out / m / "raw.json"
+                if rc or not raw_path.exists():
+                    results[m] = {"name": NAMES[m], "failed": rc or "no result"}
+                    continue
+                raw = json.loads(raw_path.read_text())
+                mcfg = {**common, "method": m, "host": host, "label": m, "compression": m, "out": outs[m]}
+                res = report.write_run(raw, mcfg, out / m, plots=False)
+                s = res["summary"]
+                steps = len(raw["steps"])
+                wire = raw["meta"]["wire_bytes"]
+                results[m] = {"name": NAMES[m], "job": f"{host} job {j + 1}", "median_step_s": s["median_step_s"],
+                              "final_accuracy": s["final_metric"], "bytes_ratio": s["compression_ratio"],
+                              "wire_bytes": wire, "wire_bytes_per_step": wire / max(1, steps), "steps": steps,
+                              "train_s": s["train_s"], "cf_final": s["cf_final"], "load_average": load,
+                              "compression_stats": raw["meta"].get("compression_stats")}
+                paths.append(out / m / "results.json")
+                print(f"  {m}: median step {1e3 * (s['median_step_s'] or 0):.1f} ms, final accuracy "
+                      f"{s['final_metric']:.4f}, wire {wire / max(1, steps) / 1e6:.2f} MB/step", flush=True)
+            if rc:
+                print(f"  job failed (exit {rc}); last lines:\n" + "\n".join(text.splitlines()[-25:]), flush=True)
+            print(f"  {time.monotonic() - t0:.0f} s", flush=True)
     cmp = report.compare(paths, out / "compare") if paths else {"rows": []}
     for row in cmp["rows"]:
         if row["method"] in results:
@@ -366,9 +448,9 @@ def format_table(summary: dict[str, Any]) -> str:
     def f(v: Any, spec: str, none: str = "-") -> str:
         return none if v is None else format(v, spec)
 
-    for m, v in rows.items():
+    for v in rows.values():
         if "failed" in v:
-            lines.append(f"| {NAMES.get(m, m)} | failed ({v['failed']}) | | | | | | |")
+            lines.append(f"| {v['name']} | failed ({v['failed']}) | | | | | | |")
             continue
         tta = v.get("time_to_dense_s")
         lines.append(f"| {v['name']} | {f(v['median_step_s'] and 1e3 * v['median_step_s'], '.1f')} | "

@@ -1,4 +1,5 @@
-"""Rank-side entry of ddp_harness.run_ddp: join the Gloo group, call the function, write its result."""
+"""Rank-side entry of ddp_harness.run_ddp: join the process group (Gloo; NCCL with CROSSOVER_DDP_BACKEND=nccl,
+one GPU per rank), call the function, write its result."""
 
 import importlib.util
 import json
@@ -16,7 +17,10 @@ def main() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    backend = os.environ.get("CROSSOVER_DDP_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
         result = getattr(module, name)(*args)
         out = Path(os.environ["CROSSOVER_RESULT_DIR"]) / f"rank{dist.get_rank()}.json"

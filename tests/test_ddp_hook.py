@@ -271,12 +271,12 @@ def job_error_feedback_rebuild(steps: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def versus_ddp() -> list[dict]:
-    return run_ddp(job_versus_ddp, args=(8,))
+    return run_ddp(job_versus_ddp, args=(6,))
 
 
 def test_compression_off_is_exactly_ddp_average(versus_ddp):
     for r in versus_ddp:
-        assert r["equal"] == {name: 8 for name in r["equal"]}, r["equal"]
+        assert r["equal"] == {name: 6 for name in r["equal"]}, r["equal"]
         for name in r["equal"]:
             assert r["stats"][name]["bytes_sent"] == r["stats"][name]["bytes_dense"] > 0
 
@@ -303,7 +303,7 @@ def test_fp16_quantization_and_randomk_hooks(versus_ddp):
 
 
 def test_decisions_identical_on_every_rank_for_200_steps():
-    a, b = run_ddp(job_decisions, args=(210,), timeout=180)
+    a, b = run_ddp(job_decisions, args=(200,), timeout=180)
     assert a["cfs"] == b["cfs"]
     assert a["bits"] == b["bits"]
     assert a["gravac_policy"] == b["gravac_policy"]
@@ -389,6 +389,7 @@ def test_error_feedback_survives_ddp_bucket_rebuild():
     {"policy": "qsgd", "bits": 1},
     {"policy": "fp16", "cf": 2},
     {"gather": "sideways"},
+    {"policy": "static", "clock": 3.0},
 ])
 def test_bad_settings_raise_at_construction(settings):
     with pytest.raises(ValueError):
@@ -430,3 +431,69 @@ def test_bucket_layouts_move_residuals_between_buckets():
     lay2.load(pieces)
     k = lay2.key(0, params, torch.zeros(14))  # ordinals: the order DDP first presents the parameters
     assert torch.equal(mem2.get(k), torch.arange(14, dtype=torch.float32))
+
+
+def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
+    """SparseCodec(fixed_gather=True), as the hook uses it on Gloo: every rank's allgather carries exactly
+    k pairs (overshoot back to the residual, shortfall padded), and error feedback still conserves the
+    gradient: decoded average + mean residual == mean gradient."""
+    from crossover.adaptive.driver import StepRecord
+    from crossover.compression.collectives import SimulatedGroup
+    from crossover.compression.selectors import k_for
+    from crossover.compression.sparse_codec import SparseCodec
+
+    numel, cf, world = 50_000, 100.0, 2
+    grp = SimulatedGroup(world)
+    for compressor in ("topk", "dgc"):
+        codecs = [SparseCodec(compressor, fixed_gather=True, seed=1) for _ in range(world)]
+        grads = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        sent_total = torch.zeros(numel)
+        for step in range(1, 4):
+            rec = StepRecord(step=step, sent_cf=cf, probes=(cf,))
+            enc = [codecs[r].encode("b0", grads[r], rec, 0.0, grp.rank_view(r)) for r in range(world)]
+            for _, ctx, sent in enc:
+                assert sent == 8 * k_for(numel, cf) + 4 * ctx.nstats  # exactly k (index, value) pairs
+            reduced = sum(p / world for p, _, _ in enc)  # the host's average of the statistics payloads
+            outs = [codecs[r].decode(reduced.clone(), enc[r][1], grp.rank_view(r))[0].clone() for r in range(world)]
+            assert torch.equal(outs[0], outs[1])
+            sent_total += outs[0]
+        residual = sum(c.memory.get("b0") for c in codecs) / world
+        expect = 3 * sum(grads) / world
+        assert torch.allclose(sent_total + residual, expect, atol=1e-4), compressor
+
+
+def job_nccl(steps: int) -> dict:
+    """On GPUs over NCCL: compression off equals DDP; static top-k, GraVAC and fp16 run and send fewer bytes."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", dist.get_rank())
+    base = _mlp().to(dev)
+    plain = DDP(copy.deepcopy(base), device_ids=[dev.index], bucket_cap_mb=0.1)
+    runs = {}
+    variants = {"off": {"enabled": False}, "topk": {"policy": "static", "cf": 20, "min_compress_numel": 1024},
+                "gravac": {"cf_min": 4, "epsilon": 0.3, "window": 4, "min_compress_numel": 1024},
+                "fp16": {"policy": "fp16"}}
+    for name, settings in variants.items():
+        d = DDP(copy.deepcopy(base), device_ids=[dev.index], bucket_cap_mb=0.1)
+        st = AdaptiveState(**settings)
+        d.register_comm_hook(st, adaptive_hook)
+        runs[name] = (d, st)
+    equal = 0
+    for step in range(steps):
+        x, y = _batch(step)
+        x, y = x.to(dev), y.to(dev)
+        for m in [plain] + [d for d, _ in runs.values()]:
+            m.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+        equal += all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), runs["off"][0].parameters()))
+        finite = all(bool(torch.isfinite(p.grad).all()) for d, _ in runs.values() for p in d.parameters())
+    return {"equal": equal, "finite": finite, "stats": {n: _stats(st) for n, (_, st) in runs.items()}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL allows one rank per GPU); none here")
+def test_nccl_two_gpus():
+    for r in run_ddp(job_nccl, args=(10,), env={"CROSSOVER_DDP_BACKEND": "nccl"}, timeout=300):
+        assert r["equal"] == 10 and r["finite"]
+        for name in ("topk", "gravac", "fp16"):
+            assert r["stats"][name]["bytes_sent"] < r["stats"][name]["bytes_dense"], name

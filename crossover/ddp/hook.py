@@ -196,9 +196,13 @@ class _SparseEngine(_CodecEngine):
     """A compression-factor policy (GraVAC, static) driving a sparsifying codec."""
 
     def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
-                 min_compress_numel: int, seed: int, log_csv: str | None, gather: str) -> None:
+                 min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
+                 clock: Callable[[], float] | None) -> None:
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
+        if clock is not None and not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.clock = clock or time.perf_counter
         self.name = name
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
                                  grad_norms=bool(getattr(policy, "needs_grad_norms", False)),
@@ -210,7 +214,7 @@ class _SparseEngine(_CodecEngine):
         self.compressor = compressor
 
     def _begin_step(self) -> None:
-        self.driver.begin_step(time.perf_counter())
+        self.driver.begin_step(self.clock())
 
     def _feed(self, reduced: Any, world: int) -> None:
         self.driver.add_reduced(reduced, world)
@@ -346,22 +350,25 @@ class _Fp16Engine(_Engine):
 # ---------------------------------------------------------------------------------------------
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
-                  log_csv: str | None = None, gather: str = "pad", **gravac: Any) -> _Engine:
+                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
+                  **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
         policy = gravac_or_dense(bool(enabled), **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
+                         clock=clock)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
-                  log_csv: str | None = None, gather: str = "pad") -> _Engine:
+                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None) -> _Engine:
     make_selector(compressor)
     return _SparseEngine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
+                         clock=clock)
 
 
 def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
@@ -409,7 +416,10 @@ class AdaptiveState:
       defaults), ``enabled=False`` (exact DDP averaging, for comparisons), ``error_feedback``,
       ``min_compress_numel`` (buckets smaller than this go dense), ``seed``, ``log_csv`` (per-step CSV,
       may contain ``{rank}``), ``gather`` ("pad": every rank sends exactly k (index, value) pairs in one
-      allgather, the default; "counts": the counts go first, then the selections, padded to the largest).
+      allgather, the default; "counts": the counts go first, then the selections, padded to the largest),
+      ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
+      difference between two step starts; a clock that stops while the process does other work between
+      steps, such as evaluation, keeps that work out of the throughput GraVAC compares).
     * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings.
     * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
       number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,
