@@ -314,6 +314,7 @@ class _Fp16Engine(_Engine):
         self.step = 0
         self.bytes_sent = 0
         self.bytes_dense = 0
+        self._half: dict[int, torch.Tensor] = {}
 
     def run(self, bucket: dist.GradBucket) -> Future:
         buf = bucket.buffer()
@@ -324,7 +325,10 @@ class _Fp16Engine(_Engine):
         if buf.dtype not in (torch.float32, torch.float64):
             self.bytes_sent += nbytes
             return _allreduce_mean(buf, self.group)
-        half = buf.to(torch.float16).div_(dist.get_world_size(self.group))
+        half = self._half.get(bucket.index())
+        if half is None or half.numel() != buf.numel() or half.device != buf.device:
+            half = self._half[bucket.index()] = torch.empty(buf.numel(), dtype=torch.float16, device=buf.device)
+        half.copy_(buf).div_(dist.get_world_size(self.group))  # reused: DDP finishes a step before the next
         self.bytes_sent += half.numel() * 2
 
         def finish(f: Future) -> torch.Tensor:
