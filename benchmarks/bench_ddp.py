@@ -291,9 +291,19 @@ def worker(cfg: dict[str, Any]) -> None:
             (out / "raw.json").write_text(json.dumps({"meta": {**meta, "finished": True}, "steps": m.steps,
                                                       "evals": m.evals}))
     if host == "ddp":
+        import gc
+
         import torch.distributed as dist
 
+        methods.clear()
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
+        # torch 2.13 + Gloo: even plain DDP aborts now and then in interpreter teardown ("terminate called
+        # without an active exception"); the results are written, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # --------------------------------------------------------------------------- launching

@@ -1,6 +1,7 @@
 """Rank-side entry of ddp_harness.run_ddp: join the process group (Gloo; NCCL with CROSSOVER_DDP_BACKEND=nccl,
 one GPU per rank), call the function, write its result."""
 
+import gc
 import importlib.util
 import json
 import os
@@ -25,8 +26,16 @@ def main() -> None:
         result = getattr(module, name)(*args)
         out = Path(os.environ["CROSSOVER_RESULT_DIR"]) / f"rank{dist.get_rank()}.json"
         out.write_text(json.dumps(result))
+        gc.collect()  # the job's DDP objects and their pending work go before the group does
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # torch 2.13 + Gloo: even a plain DDP job (no hook) aborts now and then while the interpreter shuts
+    # down ("terminate called without an active exception", no Python frame); the work is done and the
+    # result written, so leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
