@@ -127,8 +127,12 @@ def job_decisions(steps: int) -> dict:
         cur = gravac.driver.current
         cfs.append([cur.sent_cf, list(cur.probes)])
         bits.append(dqsgd.driver.bits)
+    before = gravac.state_dict()["driver"]
+    gravac.sync(root_rank=1)  # the same policy state everywhere already: sync must keep it as it is
+    after = gravac.state_dict()["driver"]
+    synced = after["policy"] == before["policy"] and after["step"] == before["step"]
     return {"cfs": cfs, "bits": bits, "gravac_policy": gravac.state_dict()["driver"]["policy"],
-            "dqsgd_policy": dqsgd.state_dict()["driver"]["policy"]}
+            "dqsgd_policy": dqsgd.state_dict()["driver"]["policy"], "synced": synced}
 
 
 def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int) -> dict:
@@ -308,6 +312,7 @@ def test_decisions_identical_on_every_rank_for_200_steps():
     assert a["bits"] == b["bits"]
     assert a["gravac_policy"] == b["gravac_policy"]
     assert a["dqsgd_policy"] == b["dqsgd_policy"]
+    assert a["synced"] and b["synced"]
     # not vacuous: both policies changed their decision during the run
     assert len({cf for cf, _ in a["cfs"]}) >= 3, a["cfs"][::10]
     assert len(set(a["bits"])) >= 2, a["bits"][::10]
