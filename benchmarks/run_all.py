@@ -171,6 +171,17 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                else "."),
             tta_runs(out / task.key, task), needs_netem=True, render=render_compare))
     s.append(Section(
+        "ddp", "PyTorch DDP communication hooks at 1 Gbit/s, 2 emulated hosts",
+        "The digits MLP (width 4: 4.3 M parameters) trained by PyTorch DDP with no hook (dense), PyTorch's "
+        "fp16_compress_hook and powerSGD_hook (rank 1 and 4, one bucket, vanilla allreduce for the first 10 % "
+        "of the steps), crossover's adaptive_hook with AdaptiveState() defaults, with the demo's GraVAC settings "
+        "and with static top-k 100, and Horovod with AdaptiveCompression() defaults: same task, link, epochs and "
+        "learning rate (SGD 0.2); the DDP methods train side by side in one job. "
+        "Wire bytes are measured on the emulated links; the target is DDP dense's final accuracy, checked once "
+        "per epoch (docs/ddp.md).",
+        [Run([py, "-m", "benchmarks.bench_ddp", "--rate", "1gbit", "--hosts", "2", "--epochs", "1" if quick else "12",
+              "--out", str(out / "ddp"), "--json", str(out / "ddp.json")])], needs_netem=True))
+    s.append(Section(
         "crossover", "Crossover scheduling: two jobs sharing two emulated hosts",
         "Two identical 2-rank jobs, one rank per emulated host, each host's device one pinned core; one "
         "after the other, both at once without the scheduler, both under crossover (interleaved repeats).",
@@ -275,6 +286,14 @@ def targets(secs: list[Section]) -> list[str]:
     for sec in secs:
         if sec.key.startswith("tta") and sec.status == "ok":
             lines += _tta_targets(sec)
+    ddp = by_key.get("ddp")
+    if ddp is not None and ddp.status == "ok" and "--json" in ddp.runs[0].argv:
+        path = Path(ddp.runs[0].argv[ddp.runs[0].argv.index("--json") + 1])
+        if path.is_file():
+            for t in json.loads(path.read_text())["targets"]:
+                m = t["measured"]
+                shown = "-" if m is None else (f"{100 * m:+.2f} points" if "within" in t["target"] else f"{m:.2f}x")
+                lines.append(f"| DDP: {t['target']} | {shown} ({'PASS' if t['pass'] else 'FAIL'}) |")
     cx = by_key.get("crossover")
     if cx is not None and cx.status == "ok" and "--json" in cx.runs[0].argv:
         path = Path(cx.runs[0].argv[cx.runs[0].argv.index("--json") + 1])

@@ -31,6 +31,19 @@ class ErrorFeedback:
             self._residuals[key] = res
         return res
 
+    def get(self, key: str) -> torch.Tensor | None:
+        """The residual held for `key` (the live tensor, not a copy), or None."""
+        return self._residuals.get(key)
+
+    def put(self, key: str, residual: torch.Tensor) -> None:
+        """Hold `residual` (not copied) for `key`: a host that regroups its tensors (DDP rebuilding its
+        buckets) moves residuals between keys with `get`/`put`/`pop`."""
+        self._residuals[key] = residual
+
+    def pop(self, key: str) -> torch.Tensor | None:
+        """Remove and return the residual for `key` (None if there was none)."""
+        return self._residuals.pop(key, None)
+
     def state(self) -> dict[str, torch.Tensor]:
         """A copy of every residual (for checkpoints)."""
         return {k: v.clone() for k, v in self._residuals.items()}

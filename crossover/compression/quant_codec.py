@@ -81,7 +81,7 @@ class QuantCodec:
             x = torch.zeros_like(x)  # step on every rank (decode); a rare path, so the copy is fine
         scale = quantize.absmax(x) or 1.0  # an all-zero tensor quantizes to zeros at any scale
         seed = shared_seed(self.seed, step, f"{key}:{comm.rank()}")  # independent rounding per rank
-        stats = torch.tensor([1.0, clamp_stat(sq)], dtype=torch.float32)  # sq is float64: clamp to fit
+        stats = torch.tensor([1.0, clamp_stat(sq)], dtype=torch.float32, device=x.device)  # sq: float64, clamped
         kind = self.transport if self.transport != "auto" else choose_quant_transport(numel, bits, comm.size())
         ctx = QuantCtx(kind=kind, key=key, shape=tensor.shape, numel=numel, bits=bits, residual=residual)
         if kind == cost_model.DENSE:
@@ -90,8 +90,8 @@ class QuantCodec:
                 residual.zero_()
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.ALLREDUCE:  # dequantized fp16 values sum across ranks
-            vals = self._buf(key, "vals", numel, torch.float32)
-            lev = self._buf(key, "lev", numel, torch.int32)
+            vals = self._buf(key, "vals", numel, torch.float32, x.device)
+            lev = self._buf(key, "lev", numel, torch.int32, x.device)
             quantize.quantize_levels(x, scale, s, seed, lev, residual_out=residual)
             quantize.dequantize_levels(lev, scale, s, vals)
             stats[1] = clamp_stat(sq / numel, _FP16_MEAN_SQ_MAX)  # a mean square: scaled back in decode
@@ -99,8 +99,8 @@ class QuantCodec:
             ctx.kind = "ar"
             return payload, ctx, payload.numel() * 2
         seg = 4 + quantize.packed_nbytes(numel, bits)
-        packed = self._buf(key, "packed", seg, torch.uint8)
-        packed[:4] = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
+        packed = self._buf(key, "packed", seg, torch.uint8, x.device)
+        packed[:4] = torch.tensor([scale], dtype=torch.float32, device=x.device).view(torch.uint8)
         quantize.quantize_pack(x, scale, s, bits, seed, packed[4:], residual_out=residual)
         ctx.kind, ctx.seg = "ag", seg
         ctx.handle = comm.allgather_async(packed, f"crossover.qallgather.{key}")
@@ -132,7 +132,7 @@ class QuantCodec:
         if ctx.kind == "ar":
             return reduced[:ctx.numel].float().view(ctx.shape), (one, sq)
         gathered = comm.wait(ctx.handle)
-        out = self._buf(ctx.key, "out", ctx.numel, torch.float32)
+        out = self._buf(ctx.key, "out", ctx.numel, torch.float32, reduced.device)
         s = levels_for_bits(ctx.bits)
         for r in range(gathered.numel() // ctx.seg):  # one decode per rank, each with its own scale
             seg = gathered[r * ctx.seg:(r + 1) * ctx.seg]
@@ -141,9 +141,11 @@ class QuantCodec:
                                        accumulate=r > 0, weight=one / world)
         return out.view(ctx.shape), (one, sq)
 
-    def _buf(self, key: str, what: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    def _buf(self, key: str, what: str, n: int, dtype: torch.dtype,
+             device: torch.device | None = None) -> torch.Tensor:
+        device = torch.device("cpu") if device is None else device
         buf = self._buffers.get((key, what))
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = torch.empty(n, dtype=dtype)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(n, dtype=dtype, device=device)
             self._buffers[(key, what)] = buf
         return buf[:n]

@@ -31,8 +31,12 @@ class SparseCodec:
     """Selector + error-feedback memory + transports for float32 gradients."""
 
     def __init__(self, compressor: str, *, error_feedback: bool = True, seed: int = 0,
-                 grad_norms: bool = False) -> None:
+                 grad_norms: bool = False, fixed_gather: bool = False) -> None:
         self.selector: Selector = make_selector(compressor)
+        # Every rank's allgather carries exactly k pairs (hosts whose allgather needs equal sizes, e.g.
+        # torch.distributed on Gloo): an overshoot of the selector returns to the residual, a shortfall
+        # is padded with pairs that add nothing.
+        self.fixed_gather = bool(fixed_gather)
         self.compressor = compressor
         self.memory = ErrorFeedback(error_feedback)
         self.seed = int(seed)
@@ -87,7 +91,12 @@ class SparseCodec:
             ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
             payload = transport.send_shared(sel, stats)
             return payload, ctx, payload.numel() * 4
-        packed = self._packed_buf(key, sel.idx.numel() + transport.HEADER_ROWS, grad.device)
+        rows = sel.idx.numel()
+        if self.fixed_gather:
+            if rows > k:  # keep the k largest; the rest returns to the residual
+                sel = apply_mask(sel, _largest(sel.val, k), residual)
+            rows = k
+        packed = self._packed_buf(key, rows + transport.HEADER_ROWS, grad.device)
         payload, ctx.handle = transport.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
                                                        tensor.shape)
         ctx.kind = transport.GATHER
@@ -141,3 +150,10 @@ class SparseCodec:
             buf = torch.empty((max(count, 1), 2), dtype=torch.int32, device=device)
             self._packed[key] = buf
         return buf[:count]
+
+
+def _largest(val: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k largest-magnitude entries of `val` (exactly k)."""
+    keep = torch.zeros(val.numel(), dtype=torch.bool, device=val.device)
+    keep[torch.topk(val.abs(), k, sorted=False).indices] = True
+    return keep

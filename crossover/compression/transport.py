@@ -71,16 +71,21 @@ def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name:
                    packed: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, Any]:
     """Rank-specific (index, value bits) pairs by allgather; the host reduces only the statistics.
 
-    `packed` is a reusable int32 buffer of shape (HEADER_ROWS + count, 2). The header rows carry the
-    pair count and the tensor's numel and shape, so that `receive` can split the ranks' segments and
-    refuse ranks that submitted the same name with different shapes (Horovod's own check only sees
-    the statistics vector, which has the same shape everywhere).
+    `packed` is a reusable int32 buffer of shape (HEADER_ROWS + rows, 2), rows >= the selection's count.
+    The header rows carry the row count and the tensor's numel and shape, so that `receive` can split
+    the ranks' segments and refuse ranks that submitted the same name with different shapes (Horovod's
+    own check only sees the statistics vector, which has the same shape everywhere). Rows beyond the
+    selection are padding, (index 0, value +0.0) pairs that add nothing when decoded (for hosts whose
+    allgather needs the same size on every rank).
     """
-    count = sel.idx.numel()
-    packed[0, 0], packed[0, 1] = count, math.prod(shape)
+    n = sel.idx.numel()
+    rows = packed.shape[0] - HEADER_ROWS
+    packed[0, 0], packed[0, 1] = rows, math.prod(shape)
     packed[1, 0], packed[1, 1] = shape_hash(shape), len(shape)
-    packed[HEADER_ROWS:, 0] = sel.idx
-    packed[HEADER_ROWS:, 1] = sel.val.view(torch.int32)
+    packed[HEADER_ROWS:HEADER_ROWS + n, 0] = sel.idx
+    packed[HEADER_ROWS:HEADER_ROWS + n, 1] = sel.val.view(torch.int32)
+    if rows > n:
+        packed[HEADER_ROWS + n:].zero_()
     return stats, comm.allgather_async(packed, name)
 
 

@@ -1,0 +1,520 @@
+"""Adaptive gradient compression as a PyTorch DDP communication hook.
+
+    from crossover.ddp import AdaptiveState, adaptive_hook
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = AdaptiveState()                      # GraVAC; policy="dqsgd" / "static" / "qsgd" / "fp16"
+    ddp.register_comm_hook(state, adaptive_hook)
+
+How it fits DDP (docs/ddp.md): DDP calls `adaptive_hook(state, bucket)` once per gradient bucket, in
+bucket-index order, during backward; the hook returns a `torch.futures.Future` of the averaged flat
+bucket, which DDP copies into the gradients before `optimizer.step()`. Unlike Horovod's compression
+hook, the bucket says where a step begins (`bucket.index() == 0`) and which parameters it holds.
+
+The same pieces as the Horovod glue (horovod_ext/torch_compression.py), none of its code: the
+framework-free step driver (crossover/adaptive/driver.py: plans, one-step-late observation, byte
+counters, state) and the codecs (crossover/compression/: selection, error feedback, quantization,
+transport chosen by the cost model). This module only moves tensors:
+
+* per bucket: encode -> `all_reduce` of the payload (pre-divided by the world size, so the reduction
+  is an average) and, for rank-specific selections, the codec's own allgather, both issued from the
+  hook's body so that every rank issues the same collectives in the same order -> decode in a
+  `.then()` callback;
+* every rank decides the same: the driver plans step t from statistics reduced over ranks inside the
+  payloads of earlier steps; the callbacks only store each bucket's reduced statistics, and the hook
+  feeds them to the driver in bucket order at the start of the next step (a fixed summation order,
+  so the floating-point sums are identical on every rank);
+* error feedback is kept per bucket and follows DDP's bucket rebuild (crossover/ddp/_buckets.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+from crossover.adaptive.dqsgd import DqsgdPolicy
+from crossover.adaptive.driver import (
+    CfPolicy,
+    QuantStepDriver,
+    SparseStepDriver,
+    check_min_numel,
+    dqsgd_settings,
+    gravac_or_dense,
+    lr_at,
+)
+from crossover.adaptive.static import StaticPolicy
+from crossover.compression.quant_codec import QuantCodec
+from crossover.compression.selectors import make_selector
+from crossover.compression.sparse_codec import SparseCodec
+
+from ._buckets import BucketLayouts
+from ._collectives import TorchDistCollectives
+
+__all__ = ["AdaptiveState", "adaptive_hook", "POLICIES", "GATHERS"]
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("gravac", "dqsgd", "static", "qsgd", "fp16")
+#: How rank-specific selections travel (Gloo's allgather needs one size on every rank): "pad" sends
+#: exactly k pairs per rank (one collective); "counts" exchanges the counts first (a blocking extra one).
+GATHERS = ("pad", "counts")
+STATE_VERSION = 1
+LR = Union[float, Callable[[int], float]]
+Future = torch.futures.Future
+
+_DQ_DEFAULTS = {name: p.default for name, p in inspect.signature(DqsgdPolicy).parameters.items()
+                if name in ("b_min", "b_max", "decay")}
+DEFAULT_MIN_COMPRESS_NUMEL = 16384  # as the Horovod objects: smaller buckets go dense
+
+
+def _allreduce_mean(buf: torch.Tensor, group: Any) -> Future:
+    """DDP's own reduction: divide by the world size, sum in place, hand back the same buffer."""
+    buf.div_(dist.get_world_size(group))
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _raise_errors(fut: Future) -> None:
+    """Re-raise the error of a future, or of any future it collected."""
+    value = fut.value()
+    if isinstance(value, list):
+        for f in value:
+            if isinstance(f, torch.futures.Future):
+                f.value()
+
+
+class _Engine:
+    """One policy family's work per bucket; `AdaptiveState` holds one."""
+
+    name = "base"
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.comm = TorchDistCollectives(group, equal_sizes=True)
+
+    def run(self, bucket: dist.GradBucket) -> Future:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget the step in flight."""
+
+
+class _CodecEngine(_Engine):
+    """What the sparse and the quantizing engines share: pass-through, keys, reduction, deferred statistics."""
+
+    def __init__(self, group: Any, *, min_compress_numel: int, memory: Any) -> None:
+        super().__init__(group)
+        self.min_compress_numel = check_min_numel(min_compress_numel)
+        self.layouts = BucketLayouts(memory)
+        self._reduced: dict[int, Any] = {}  # bucket index -> reduced statistics (written by callbacks)
+
+    # the subclass's driver and codec
+    def _begin_step(self) -> None:
+        raise NotImplementedError
+
+    def _feed(self, reduced: Any, world: int) -> None:
+        raise NotImplementedError
+
+    def _count(self, sent: int, dense: int) -> None:
+        raise NotImplementedError
+
+    def _skips_all(self) -> bool:
+        return False
+
+    def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        raise NotImplementedError
+
+    def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ per bucket
+    def flush(self) -> None:
+        """Feed the reduced statistics of the last step to the driver, in bucket order (same on every rank)."""
+        if not self._reduced:
+            return
+        world = self.comm.size()
+        for index in sorted(self._reduced):
+            self._feed(self._reduced[index], world)
+        self._reduced.clear()
+
+    def run(self, bucket: dist.GradBucket) -> Future:
+        index = bucket.index()
+        buf = bucket.buffer()
+        if index == 0:
+            self.flush()
+            self._begin_step()
+        nbytes = buf.numel() * buf.element_size()
+        small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
+        if small or self._skips_all():
+            self._count(nbytes, nbytes)
+            if small and self.layouts.memory.enabled:  # a residual left by a bucket rebuild goes out now
+                res = self.layouts.memory.pop(self.layouts.key(index, bucket.parameters(), buf))
+                if res is not None and res.dtype == buf.dtype:
+                    buf.add_(res.view_as(buf))
+            return _allreduce_mean(buf, self.group)
+        key = self.layouts.key(index, bucket.parameters(), buf)
+        self._count(0, nbytes)
+        payload, ctx, sent = self._encode(key, buf)
+        self._count(sent, 0)
+        payload.div_(self.comm.size())  # the sum over ranks becomes the average (stats[0] says so to decode)
+        fut = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
+        handle = getattr(ctx, "handle", None)
+        if handle is not None:  # the codec's own allgather, issued in _encode just before
+            fut = torch.futures.collect_all([fut, handle.future()])
+
+        def finish(f: Future) -> torch.Tensor:
+            _raise_errors(f)
+            out, reduced = self._decode(payload, ctx)
+            self._reduced[index] = reduced
+            return out
+
+        return fut.then(finish)
+
+    def reset(self) -> None:
+        self._reduced.clear()
+        self.layouts.reset()
+
+    @property
+    def bucket_rebuilds(self) -> int:
+        return self.layouts.rebuilds
+
+
+class _SparseEngine(_CodecEngine):
+    """A compression-factor policy (GraVAC, static) driving a sparsifying codec."""
+
+    def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
+                 min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
+                 clock: Callable[[], float] | None) -> None:
+        if gather not in GATHERS:
+            raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
+        if clock is not None and not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.clock = clock or time.perf_counter
+        self.name = name
+        self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
+                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)),
+                                 fixed_gather=gather == "pad")
+        super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
+        self.comm.equal_sizes = gather == "pad"
+        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
+                                       rank=self.comm.rank)
+        self.compressor = compressor
+
+    def _begin_step(self) -> None:
+        self.driver.begin_step(self.clock())
+
+    def _feed(self, reduced: Any, world: int) -> None:
+        self.driver.add_reduced(reduced, world)
+
+    def _count(self, sent: int, dense: int) -> None:
+        self.driver.count(sent, dense)
+
+    def _skips_all(self) -> bool:
+        cur = self.driver.current
+        return cur.sent_cf <= 1 and not cur.probes
+
+    def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm)
+
+    def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
+        out, stats = self.codec.decode(reduced, ctx, self.comm)
+        return out, stats.tolist()
+
+    def stats(self) -> dict[str, Any]:
+        return self.driver.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._reduced.clear()
+        self.driver.load_state_dict(state["driver"])
+        self.codec.seed = self.driver.seed
+        if "residuals" in state:
+            self.layouts.load(state["residuals"])
+
+    def reset(self) -> None:
+        super().reset()
+        self.driver.reset()
+
+
+class _QuantEngine(_CodecEngine):
+    """A bits-per-step driver (DQ-SGD, fixed QSGD) and a quantizing codec."""
+
+    def __init__(self, group: Any, name: str, driver: QuantStepDriver, *, lr: LR | None, error_feedback: bool,
+                 min_compress_numel: int, seed: int, transport: str) -> None:
+        self.name = name
+        self.codec = QuantCodec(error_feedback=error_feedback, seed=seed, transport=transport)
+        super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
+        self.driver = driver
+        self.lr = lr
+
+    def _begin_step(self) -> None:
+        self.driver.begin_step(self.comm.size())
+        if self.driver.adaptive:
+            self.driver.lr = lr_at(self.lr, self.driver.step, _no_optimizer)
+
+    def _feed(self, reduced: Any, world: int) -> None:
+        one, sq = reduced
+        self.driver.add_reduced_sq(one, sq, world)
+
+    def _count(self, sent: int, dense: int) -> None:
+        self.driver.count(sent, dense)
+
+    def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        self.driver.add_tensor(buf.numel())
+        return self.codec.encode(key, buf, self.driver.bits, self.driver.step, self.comm)
+
+    def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
+        return self.codec.decode(reduced, ctx, self.comm)
+
+    def stats(self) -> dict[str, Any]:
+        return self.driver.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._reduced.clear()
+        self.driver.load_state_dict(state["driver"])
+        if "residuals" in state:
+            self.layouts.load(state["residuals"])
+
+    def reset(self) -> None:
+        super().reset()
+        self.driver.reset()
+
+
+def _no_optimizer() -> float:
+    raise RuntimeError("DQ-SGD in a DDP hook needs lr= (a number or a callable step -> lr)")
+
+
+class _Fp16Engine(_Engine):
+    """fp16 casts, as PyTorch's fp16_compress_hook, with crossover's byte counters and state."""
+
+    name = "fp16"
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.step = 0
+        self.bytes_sent = 0
+        self.bytes_dense = 0
+        self._half: dict[int, torch.Tensor] = {}
+
+    def run(self, bucket: dist.GradBucket) -> Future:
+        buf = bucket.buffer()
+        if bucket.index() == 0:
+            self.step += 1
+        nbytes = buf.numel() * buf.element_size()
+        self.bytes_dense += nbytes
+        if buf.dtype not in (torch.float32, torch.float64):
+            self.bytes_sent += nbytes
+            return _allreduce_mean(buf, self.group)
+        half = self._half.get(bucket.index())
+        if half is None or half.numel() != buf.numel() or half.device != buf.device:
+            half = self._half[bucket.index()] = torch.empty(buf.numel(), dtype=torch.float16, device=buf.device)
+        half.copy_(buf).div_(dist.get_world_size(self.group))  # reused: DDP finishes a step before the next
+        self.bytes_sent += half.numel() * 2
+
+        def finish(f: Future) -> torch.Tensor:
+            buf.copy_(f.value()[0])
+            return buf
+
+        return dist.all_reduce(half, group=self.group, async_op=True).get_future().then(finish)
+
+    def stats(self) -> dict[str, Any]:
+        return {"step": self.step, "compression_factor": 2.0, "gain": None, "bytes_sent": self.bytes_sent,
+                "bytes_dense": self.bytes_dense}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.bytes_sent, self.bytes_dense = int(state["bytes_sent"]), int(state["bytes_dense"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction: one validated engine per policy
+# ---------------------------------------------------------------------------------------------
+def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
+                  min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
+                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
+                  **gravac: Any) -> _Engine:
+    make_selector(compressor)  # ValueError naming the known compressors
+    try:
+        policy = gravac_or_dense(bool(enabled), **gravac)  # GravacPolicy's own defaults and checks
+    except TypeError as exc:
+        raise ValueError(f"policy='gravac': {exc}") from None
+    return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
+                         clock=clock)
+
+
+def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
+                  min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
+                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None) -> _Engine:
+    make_selector(compressor)
+    return _SparseEngine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
+                         clock=clock)
+
+
+def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
+                 error_budget: float | None = None, target_bits: int = 6, b_min: int = _DQ_DEFAULTS["b_min"],
+                 b_max: int = _DQ_DEFAULTS["b_max"], decay: float = _DQ_DEFAULTS["decay"],
+                 error_feedback: bool = False, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
+                 transport: str = "auto") -> _Engine:
+    if lr is None:
+        raise ValueError("policy='dqsgd' needs lr= (a number, or a callable step -> lr): a DDP hook does not see "
+                         "the optimizer")
+    settings = dqsgd_settings(total_steps=total_steps, lr=lr, error_budget=error_budget, target_bits=target_bits,
+                              b_min=b_min, b_max=b_max, decay=decay)
+    return _QuantEngine(group, "dqsgd", QuantStepDriver(bits=target_bits, dqsgd=settings), lr=lr,
+                        error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
+                        transport=transport)
+
+
+def _build_qsgd(group: Any, *, bits: int = 8, error_feedback: bool = False,
+                min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
+                transport: str = "auto") -> _Engine:
+    b_min, b_max = _DQ_DEFAULTS["b_min"], _DQ_DEFAULTS["b_max"]
+    if isinstance(bits, bool) or not isinstance(bits, int) or not b_min <= bits <= b_max:
+        raise ValueError(f"bits must be an int in [{b_min}, {b_max}], got {bits!r}")
+    return _QuantEngine(group, "qsgd", QuantStepDriver(bits=bits), lr=None, error_feedback=error_feedback,
+                        min_compress_numel=min_compress_numel, seed=seed, transport=transport)
+
+
+def _build_fp16(group: Any) -> _Engine:
+    return _Fp16Engine(group)
+
+
+_BUILDERS: dict[str, Callable[..., _Engine]] = {"gravac": _build_gravac, "dqsgd": _build_dqsgd,
+                                                 "static": _build_static, "qsgd": _build_qsgd, "fp16": _build_fp16}
+
+
+class AdaptiveState:
+    """The state of `adaptive_hook` (PyTorch's `PowerSGDState` + `powerSGD_hook` convention).
+
+    `AdaptiveState(process_group=None, *, policy="gravac", **settings)`; every setting is checked here
+    (ValueError), not on the first step:
+
+    * ``policy="gravac"`` (default): GraVAC adapts the top-k compression factor. Settings: ``compressor``
+      ("topk", "randomk", "dgc", "redsync"), GravacPolicy's own (``cf_min``, ``cf_max``, ``epsilon``,
+      ``omega``, ``window``, ``scaling``, ``warmup_steps``, ``ewma_alpha``: unset ones keep GravacPolicy's
+      defaults), ``enabled=False`` (exact DDP averaging, for comparisons), ``error_feedback``,
+      ``min_compress_numel`` (buckets smaller than this go dense), ``seed``, ``log_csv`` (per-step CSV,
+      may contain ``{rank}``), ``gather`` ("pad": every rank sends exactly k (index, value) pairs in one
+      allgather, the default; "counts": the counts go first, then the selections, padded to the largest),
+      ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
+      difference between two step starts; a clock that stops while the process does other work between
+      steps, such as evaluation, keeps that work out of the throughput GraVAC compares).
+    * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings.
+    * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
+      number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,
+      ``target_bits``, ``b_min``, ``b_max``, ``decay``, ``error_feedback``, ``min_compress_numel``,
+      ``seed``, ``transport``.
+    * ``policy="qsgd"``: fixed ``bits``. ``policy="fp16"``: fp16 casts (no settings).
+
+    `stats()` has the keys of the Horovod objects' (``bytes_sent``, ``bytes_dense``,
+    ``compression_factor``, ...); `state_dict()` / `load_state_dict()` hold everything a resumed run
+    needs (policy, step counter, error-feedback residuals per parameter): call them between steps.
+    """
+
+    def __init__(self, process_group: Any = None, *, policy: str = "gravac", **settings: Any) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, got {process_group!r} "
+                             "(settings are keywords: AdaptiveState(policy='static', compressor='topk', cf=100))")
+        builder = _BUILDERS.get(policy)
+        if builder is None:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        try:
+            engine = builder(process_group, **settings)
+        except TypeError as exc:
+            raise ValueError(f"policy={policy!r}: {exc}") from None
+        self.process_group = process_group
+        self.policy_name = policy
+        self._engine = engine
+
+    # ------------------------------------------------------------------ telemetry and state
+    def stats(self) -> dict[str, Any]:
+        """Cumulative telemetry of this rank (the Horovod objects' keys)."""
+        return self._engine.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Policy, step counter, byte counters and error-feedback residuals (per parameter ordinal)."""
+        return {"version": STATE_VERSION, "policy": self.policy_name, **self._engine.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()` (same policy); the next step continues the saved schedule."""
+        if state.get("version") != STATE_VERSION or state.get("policy") != self.policy_name:
+            raise ValueError(f"state is for policy {state.get('policy')!r} version {state.get('version')!r}; this "
+                             f"is policy {self.policy_name!r} version {STATE_VERSION}")
+        self._engine.load_state_dict(state)
+
+    def reset(self) -> None:
+        """Forget the step in flight (e.g. after an aborted step); the policy state stays."""
+        self._engine.reset()
+
+    def sync(self, root_rank: int = 0) -> None:
+        """Make every rank's policy state `root_rank`'s (after a resume where ranks loaded different
+        checkpoints); residuals stay per rank. A collective: call it on every rank."""
+        state = None
+        if dist.get_rank(self.process_group) == root_rank:
+            state = {k: v for k, v in self.state_dict().items() if k != "residuals"}
+        box = [state]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.process_group, root_rank)
+                                   if self.process_group is not None else root_rank, group=self.process_group)
+        self.load_state_dict(box[0])
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def policy(self) -> Any:
+        """The policy object (GravacPolicy, StaticPolicy, DqsgdPolicy or None before calibration)."""
+        driver = getattr(self._engine, "driver", None)
+        return None if driver is None else driver.policy
+
+    @property
+    def driver(self) -> Any:
+        """The step driver (None for fp16)."""
+        return getattr(self._engine, "driver", None)
+
+    @property
+    def bucket_rebuilds(self) -> int:
+        """How many times a bucket's parameters changed and its residual was rebuilt."""
+        return getattr(self._engine, "bucket_rebuilds", 0)
+
+    def residuals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, copy of its flat error-feedback residual) for every parameter that has one."""
+        layouts = getattr(self._engine, "layouts", None)
+        return [] if layouts is None else layouts.by_parameter()
+
+    def __repr__(self) -> str:
+        return f"AdaptiveState(policy={self.policy_name!r})"
+
+
+def adaptive_hook(state: AdaptiveState, bucket: dist.GradBucket) -> Future:
+    """The DDP communication hook: `ddp.register_comm_hook(state, adaptive_hook)`."""
+    return state._engine.run(bucket)
+
+
+
+# DDP's register_comm_hook compares these annotations with the real objects (this module's
+# `from __future__ import annotations` would leave strings there, which DDP rejects).
+adaptive_hook.__annotations__ = {"state": AdaptiveState, "bucket": dist.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}
