@@ -5,7 +5,7 @@
 
 Every method trains the same digits MLP (benchmarks.models, --width 4: hidden 2048, 4.3 M parameters) from
 the same initial weights on the same batches, learning rate and epochs, one process per emulated host
-(crossover.netem: one network namespace per host, full-duplex links of --rate; needs root). The DDP
+(benchmarks.netem: one network namespace per host, full-duplex links of --rate; needs root). The DDP
 methods train side by side in one job, one step of each in turn (who goes first rotates), so that a
 shared machine's changing load hits them alike; each method's clock runs only during its own steps (its
 training time, and the step time GraVAC sees through AdaptiveState(clock=...)). Each Horovod method runs
@@ -341,7 +341,7 @@ def _run_ddp(cluster: Any, cmd: list[str], env: dict[str, str], port: int, timeo
 
 
 def _run_horovod(cluster: Any, cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
-    from crossover import netem
+    from benchmarks import netem
 
     try:
         res = netem.launch_horovod(cluster, 1, cmd, env=env, timeout=timeout)
@@ -353,8 +353,7 @@ def _run_horovod(cluster: Any, cmd: list[str], env: dict[str, str], timeout: flo
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The DDP methods side by side in one job, then each Horovod method in its own; results to args.out."""
-    from benchmarks import report
-    from crossover import netem
+    from benchmarks import netem, report
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out).resolve()
@@ -511,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.methods.split(",") if m.strip() and m.strip() not in METHODS]
     if unknown:
         p.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    from crossover import netem
+    from benchmarks import netem
 
     reason = netem.netem_unavailable_reason()
     if reason:

@@ -320,7 +320,7 @@ def test_decisions_identical_on_every_rank_for_200_steps():
 
 @pytest.fixture(scope="module")
 def digits_results() -> list[dict]:
-    from crossover import netem
+    from benchmarks import netem
 
     if netem.netem_unavailable_reason() is None:  # a private namespace: its loopback counts only this job
         with netem.ShapedNamespace(rate="40gbit") as ns:
@@ -443,6 +443,7 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
     k pairs (overshoot back to the residual, shortfall padded), and error feedback still conserves the
     gradient: decoded average + mean residual == mean gradient."""
     from crossover.adaptive.driver import StepRecord
+    from crossover.compression import transport
     from crossover.compression.collectives import SimulatedGroup
     from crossover.compression.selectors import k_for
     from crossover.compression.sparse_codec import SparseCodec
@@ -457,7 +458,8 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
             rec = StepRecord(step=step, sent_cf=cf, probes=(cf,))
             enc = [codecs[r].encode("b0", grads[r], rec, 0.0, grp.rank_view(r)) for r in range(world)]
             for _, ctx, sent in enc:
-                assert sent == 8 * k_for(numel, cf) + 4 * ctx.nstats  # exactly k (index, value) pairs
+                # exactly k (index, value) pairs, after the segment header (shape check)
+                assert sent == 8 * (k_for(numel, cf) + transport.HEADER_ROWS) + 4 * ctx.nstats
             reduced = sum(p / world for p, _, _ in enc)  # the host's average of the statistics payloads
             outs = [codecs[r].decode(reduced.clone(), enc[r][1], grp.rank_view(r))[0].clone() for r in range(world)]
             assert torch.equal(outs[0], outs[1])
