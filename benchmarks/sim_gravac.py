@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import statistics
@@ -376,16 +377,19 @@ class Simulator:
         return t
 
     # ------------------------------------------------------------------ one run
-    def run(self, task: _Task, method: Method, total_steps: int, wl: Workload | None, label: str) -> RunResult:
+    def run(self, task: _Task, method: Method, total_steps: int, wl: Workload | None, label: str,
+            policy: Any = None) -> RunResult:
+        """Train ``method`` for ``total_steps``; a GraVAC run needs the workload (its decisions depend on
+        time). ``policy`` replaces the method's own (anything with plan / observe / summary)."""
         world = task.world
         model = _new_model(task)
         params = [p for p in model.parameters()]
         names = [n for n, _ in model.named_parameters()]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
         ranks = [_Rank() for _ in range(world)]
-        if method.kind == "gravac":
-            policy: Any = GravacPolicy(**dict(method.params))
-        else:
+        if policy is None and method.kind == "gravac":
+            policy = GravacPolicy(**dict(method.params))
+        elif policy is None:
             policy = StaticPolicy(cf=method.cf if method.kind == "topk" else 1.0)
         compute_s = self.compute_s(task)
         rng = random.Random(task.seed * 7919 + 17)
@@ -800,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--log-every", type=int, default=0, help="log a line every N steps of each run (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--gain-study", action="store_true",
+                   help="instead of comparing methods: send dense, CF 10, 100 and 1000 for a whole run each (first "
+                        "workload, first seed) while probing CF 10, 100 and 1000, and tabulate the gain definitions")
     p.add_argument("--check", default="gravac", help="method whose targets are checked (default gravac)")
     p.add_argument("--report-only", metavar="JSON", nargs="+", default=None,
                    help="re-render the tables (and PNG) of previous runs' results.json, training nothing; several "
@@ -840,6 +847,8 @@ def main(argv: list[str] | None = None) -> int:
                     log_every=a.log_every)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.gain_study:
+        return gain_study(a, sim, workloads[0], out)
     widths = sorted({w.width for w in workloads})
     statics = [m for m in methods if m.static]
     adaptive = [m for m in methods if not m.static]
@@ -855,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         if cost_file is not None:  # later invocations sharing the cache charge the same costs
             cost_file.parent.mkdir(parents=True, exist_ok=True)
             known = json.loads(cost_file.read_text()) if cost_file.exists() else {}
-            tmp = cost_file.with_suffix(".tmp")
+            tmp = cost_file.with_suffix(f".{os.getpid()}.tmp")  # several invocations may share the cache
             tmp.write_text(json.dumps({**costs.frozen(), **known}, indent=1, sort_keys=True))
             tmp.replace(cost_file)
         el = time.perf_counter() - begin
@@ -922,6 +931,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _FixedPlan:
+    """A stand-in policy for ``--gain-study``: always the same plan; keeps every observation."""
+
+    def __init__(self, send_cf: float, probes: tuple[float, ...]) -> None:
+        self._plan = Plan(send_cf=send_cf, probe_cfs=probes)
+        self.observed: list[StepStats] = []
+
+    def plan(self) -> Plan:
+        return self._plan
+
+    def observe(self, stats: StepStats) -> None:
+        self.observed.append(stats)
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+GAIN_STUDY_PHASES = ((0, 20), (20, 60), (60, 150), (150, None))
+
+
+def gain_study(a: argparse.Namespace, sim: Simulator, workload: Workload, out: Path) -> int:
+    """Send each CF of (dense, 10, 100, 1000) for a whole run while probing 10, 100 and 1000 every step;
+    tabulate every gain definition per phase of training (what docs/gravac.md's gain table shows)."""
+    probes = (10.0, 100.0, 1000.0)
+    seed = a.seeds[0]
+    task = _build_task(seed, workload.width, a.ranks, a.batch_size)
+    total = a.steps or task.steps_per_epoch * a.epochs
+    result: dict[str, Any] = {"workload": workload.name, "seed": seed, "steps": total, "sent": {}}
+    lines = [f"# Gains on {workload.name}, seed {seed}, {total} steps", "",
+             "| sent CF | steps | gain of | norm | authors | delivered (unclipped) | sum||g+e||^2 / sum||g||^2 |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for send in (1.0, *probes):
+        fixed = _FixedPlan(send, probes)
+        res = sim.run(task, Method(f"send {send:g}", "gravac"), total, workload, f"gain study, send {send:g}",
+                      policy=fixed)
+        obs = fixed.observed
+        rows = {}
+        for lo, hi in GAIN_STUDY_PHASES:
+            seg = obs[lo:hi]
+            if not seg:
+                continue
+            gsq = sum(o.grad_sq_norm for o in seg)
+            gn = sum(o.grad_norm_sum for o in seg)
+            dsq = sum(o.dense_sq_norm for o in seg)
+            resid = dsq / gsq
+            for cf in probes:
+                norm = statistics.fmean(math.sqrt(o.compressed_sq_norms[cf] / o.dense_sq_norm) for o in seg)
+                auth = sum(o.compressed_norm_sums[cf] for o in seg) / gn
+                deliv = math.sqrt(sum(o.compressed_sq_norms[cf] for o in seg) / gsq)
+                phase = f"{lo}-{min(hi, len(obs)) if hi is not None else len(obs)}"
+                rows.setdefault(phase, {})[f"{cf:g}"] = {"norm": norm, "authors": auth, "delivered": deliv,
+                                                         "residual_ratio": resid}
+                lines.append(f"| {send:g} | {phase} | CF {cf:g} | {norm:.2f} | {auth:.2f} | {deliv:.2f} "
+                             f"| {resid:.1f} |")
+        result["sent"][f"{send:g}"] = {"phases": rows, "final_accuracy": final_accuracy(res.evals, a.smooth),
+                                       "evals": res.evals}
+        print(f"send {send:g}: final accuracy {final_accuracy(res.evals, a.smooth):.3f}", flush=True)
+    lines += ["", "final accuracy (mean of the last evaluations): " + ", ".join(
+        f"send {k}: {v['final_accuracy']:.3f}" for k, v in result["sent"].items())]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gain_study.md").write_text("\n".join(lines) + "\n")
+    (out / "gain_study.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out / 'gain_study.md'} and {out / 'gain_study.json'}")
+    return 0
+
+
 def _cache_key(a: argparse.Namespace, m: Method, seed: int, width: float, total: int) -> str:
     """Everything a static run's trajectory and measured costs depend on (not the link: timed later)."""
     import hashlib
@@ -952,7 +1028,7 @@ def _cache_save(folder: str | None, key: str, res: RunResult) -> None:
          "dense_bytes": res.dense_bytes_per_step,
          "records": [[r.send_cf, list(r.probes), r.cost_s, r.dense_elems, r.dense_width, r.gather_elems,
                       r.bytes_sent, r.loss] for r in res.records]}
-    tmp = Path(folder) / f"{key}.json.tmp"
+    tmp = Path(folder) / f"{key}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(d))
     tmp.replace(Path(folder) / f"{key}.json")
 

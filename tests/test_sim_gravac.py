@@ -67,3 +67,15 @@ def test_tiny_run_writes_json_and_markdown(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "## mlp1@100mbit" in md and "| gravac |" in md
     assert data["costs"]  # measured compute and compression costs are kept for re-use (--costs)
+
+
+def test_gain_study_tabulates_every_definition(tmp_path: Path) -> None:
+    code = sim_gravac.main(["--gain-study", "--workloads", "mlp1@1gbit", "--steps", "6", "--eval-every", "3",
+                            "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "gain_study.json").read_text())
+    assert set(data["sent"]) == {"1", "10", "100", "1000"}
+    dense = data["sent"]["1"]["phases"]["0-5"]
+    assert dense["10"]["residual_ratio"] == pytest.approx(1.0)  # dense: no residual
+    assert 0 < dense["1000"]["delivered"] < dense["100"]["delivered"] < dense["10"]["delivered"] <= 1.0
+    assert "| 10 | 0-5 | CF 10 |" in (tmp_path / "gain_study.md").read_text()
