@@ -763,10 +763,16 @@ def check_targets(analysis: dict[str, Any], label: str) -> list[tuple[str, str, 
     return out
 
 
+def _steps_text(steps: Any) -> str:
+    """'440 steps' for a step count; '20 epochs (22 steps each with 2 ranks)' style text is kept as is."""
+    return f"{steps} steps" if isinstance(steps, int) else str(steps)
+
+
 def markdown(analysis: dict[str, Any], info: dict[str, Any], check: str | None) -> str:
     lines = ["# GraVAC simulation", "", f"command: `{info['command']}`", "",
              f"{info['world']} simulated ranks, digits MLP, batch {info['batch']} per rank, SGD lr {info['lr']:g} "
-             f"momentum {info['momentum']:g}, {info['steps']} steps, evaluation every {info['eval_every']} steps, "
+             f"momentum {info['momentum']:g}, {_steps_text(info['steps'])}, "
+             f"evaluation every {info['eval_every']} steps, "
              f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, observation lag {info['lag']}, "
              f"tensors under {info['min_compress_numel']} elements dense, {info['latency_us']:g} us per collective.",
              "",
@@ -979,8 +985,8 @@ def main(argv: list[str] | None = None) -> int:
     analysis = analyse(rows, [m.label for m in methods], a.smooth)
     info = {"command": " ".join(["python benchmarks/sim_gravac.py", *(argv if argv is not None else sys.argv[1:])]),
             "world": a.ranks, "batch": a.batch_size, "smooth": a.smooth, "lr": a.lr, "momentum": a.momentum,
-            "eval_every": a.eval_every,
-            "steps": a.steps or f"{a.epochs} epochs", "seeds": a.seeds, "jitter": a.jitter, "lag": a.lag,
+            "eval_every": a.eval_every, "steps": a.steps or f"{a.epochs} epochs ({total} steps)", "seeds": a.seeds,
+            "jitter": a.jitter, "lag": a.lag,
             "compute_ms": compute_ms, "latency_us": a.latency_us, "min_compress_numel": a.min_compress_numel,
             "methods": {m.label: {"kind": m.kind, "cf": m.cf, "params": dict(m.params)} for m in methods},
             "torch": torch.__version__, "kernels": kernels.kernels_available()}

@@ -567,8 +567,25 @@ def test_settled_cf_losing_its_gain_reopens_the_search_below_it() -> None:
     assert policy.send_cf == 100.0
     plans = drive_ladder(policy, 100, gain=lambda cf, t: 0.2 if cf == 100 else 1.0,
                          time=lambda cf, t: 0.02 + 0.14 / cf, start=100)
-    assert policy.settled and policy.send_cf == 10.0
-    assert 100.0 in sent(plans)[:30] and sent(plans)[-50:] == [10.0] * 50
+    assert policy.send_cf in (10.0, 100.0)
+    cfs = sent(plans)
+    fallback = cfs.index(10.0)
+    assert fallback < 20  # within a window (plus lag) of the gain falling under epsilon
+    later = cfs[fallback:]
+    retries = [n for cf, n in _runs(later) if cf == 100.0]
+    assert 1.0 not in later and 1000.0 not in later
+    assert len(retries) <= 4 and all(n <= 5 for n in retries)  # 100 is only retried, in short windows
+    assert later.count(10.0) >= 0.8 * len(later)
+
+
+def _runs(xs: list[float]) -> list[tuple[float, int]]:
+    out: list[tuple[float, int]] = []
+    for x in xs:
+        if out and out[-1][0] == x:
+            out[-1] = (x, out[-1][1] + 1)
+        else:
+            out.append((x, 1))
+    return out
 
 
 def test_step_time_drift_reopens_the_search() -> None:

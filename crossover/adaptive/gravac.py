@@ -177,9 +177,15 @@ class _Trial:
     cf: float
     times: list[float] = field(default_factory=list)
     samples: float = 0.0
-    num: float = 0.0
-    den: float = 0.0
-    measured: int = 0  # observations that carried this CF's gain
+    terms: list[list[float]] = field(default_factory=list)  # [numerator, denominator] per measured step
+
+    def gain_terms(self) -> tuple[float, float] | None:
+        """Summed gain terms of the second half of the window: the first steps after a switch still
+        flush (or build) the previous CF's residual and measure the switch, not this CF."""
+        if not self.terms:
+            return None
+        half = self.terms[len(self.terms) // 2:]
+        return sum(t[0] for t in half), sum(t[1] for t in half)
 
 
 @dataclass
@@ -514,9 +520,11 @@ class GravacPolicy:
 
     # ------------------------------------------------------------------ ladder search
     def _start_search(self, rung: int, direction: int, best: float | None = None, best_rate: float = 0.0,
-                      turn_down: bool = False) -> None:
+                      turn_down: bool = False, keep_times: bool = False) -> None:
         """Begin a search: try ``self._rungs[rung]``, then walk in ``direction`` (-1 down, +1 up); with
-        ``turn_down``, an upward walk that stops at its first rung continues downward from there."""
+        ``turn_down``, an upward walk that stops at its first rung continues downward from there; with
+        ``keep_times``, step times of the previous search still count for predictions (nothing changed
+        but a gain)."""
         s = self._s
         s.settled = False
         s.direction = direction
@@ -524,7 +532,8 @@ class GravacPolicy:
         s.best = best
         s.best_rate = best_rate
         s.searches += 1
-        s.search_step = s.step
+        if not keep_times:
+            s.search_step = s.step
         s.recent = []
         self._try(self._rungs[rung])
 
@@ -547,9 +556,7 @@ class GravacPolicy:
             tr.samples += n
             terms = self._step_terms(stats, cf) if cf > _DENSE else None
             if terms is not None:
-                tr.num += terms[0]
-                tr.den += terms[1]
-                tr.measured += 1
+                tr.terms.append([terms[0], terms[1]])
             if len(tr.times) >= self.window_at(s.step - len(tr.times)):
                 s.windows += 1
                 self._judge(tr)
@@ -564,7 +571,7 @@ class GravacPolicy:
             g = s.gains.get(s.floor)
             if g is not None and s.settled_gain_steps >= w and g.value < self._epsilon:
                 self._note_gain_failure(s.floor)
-                self._start_search(self._rungs.index(s.floor) - 1, -1)  # walk down from below it
+                self._start_search(self._rungs.index(s.floor) - 1, -1, keep_times=True)  # walk down from below
                 return
         if s.retry_rung is not None and s.step >= s.retry_at:
             self._retry()
@@ -580,7 +587,8 @@ class GravacPolicy:
         s = self._s
         step_time = _median(tr.times)
         per_step = tr.samples / len(tr.times)
-        gain = self._ratio(tr.num, tr.den) if tr.measured and tr.cf > _DENSE else None
+        terms = tr.gain_terms() if tr.cf > _DENSE else None
+        gain = self._ratio(*terms) if terms is not None else None
         passes = gain is None or gain >= self._epsilon
         rate = per_step / step_time * (1.0 if gain is None else min(1.0, gain))
         s.rates[tr.cf] = [rate, 1.0 if tr.cf == _DENSE else (math.nan if gain is None else gain), step_time,
@@ -664,11 +672,18 @@ class GravacPolicy:
         s.ref_time = step_time
         s.recent = []
         s.settled_gain_steps = 0
+        # A higher CF timed in this search that lost only through its gain deficit (it would have won
+        # on step time alone) may keep up once its residual has built: retry it too.
+        best = s.rates[cf][0] if cf in s.rates else s.best_rate
+        for hi, r in sorted(s.rates.items()):
+            if hi > cf and r[4] >= s.search_step and r[1] < 1.0 and r[3] / r[2] > best * (1.0 + self._omega):
+                self._note_gain_failure(hi)
+                break
         if s.retry_rung is not None and s.retry_rung <= cf:
             s.retry_rung = None
         s.reason = "gain" if s.retry_rung is not None else "time"
         if s.retry_rung is not None:  # doubling gaps: a CF that keeps failing costs O(log steps) trials
-            s.retry_gap = max(4 * self.window_at(s.step), 2 * s.retry_gap, s.step)
+            s.retry_gap = max(2 * self.window_at(s.step), 2 * s.retry_gap, s.step // 2)
             s.retry_at = s.step + s.retry_gap
 
     def _retry(self) -> None:
@@ -821,7 +836,7 @@ class GravacPolicy:
             "throughput": [
                 [cf, e.samples, e.time_s, e.gain_sum, e.count] for cf, e in sorted(s.throughput.items())
             ],
-            "trial": None if tr is None else [tr.cf, list(tr.times), tr.samples, tr.num, tr.den, tr.measured],
+            "trial": None if tr is None else [tr.cf, list(tr.times), tr.samples, [list(t) for t in tr.terms]],
             "direction": s.direction,
             "best": s.best,
             "best_rate": s.best_rate,
@@ -856,7 +871,7 @@ class GravacPolicy:
                 for cf, n, t, g, c in state["throughput"]
             },
             trial=None if tr is None else _Trial(float(tr[0]), [float(x) for x in tr[1]], float(tr[2]),
-                                                 float(tr[3]), float(tr[4]), int(tr[5])),
+                                                 [[float(a), float(b)] for a, b in tr[3]]),
             direction=int(state["direction"]),
             best=None if state["best"] is None else float(state["best"]),
             best_rate=float(state["best_rate"]),
