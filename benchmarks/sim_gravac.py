@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import statistics
@@ -172,6 +173,10 @@ class CostBook:
         if len(seen) >= self.samples:
             self._fixed[key] = value
         return value
+
+    def frozen(self) -> dict[str, float]:
+        """Costs that no longer change (measured often enough, or loaded)."""
+        return dict(self._fixed)
 
     def known(self, key: str) -> float | None:
         return self._fixed.get(key)
@@ -337,6 +342,7 @@ class Simulator:
         self.jitter = jitter
         self.latency_s = latency_s
         self.log_every = log_every
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ compute calibration
     def compute_s(self, task: _Task, repeat: int = 40) -> float:
@@ -360,6 +366,59 @@ class Simulator:
         self.costs.set(key, value)
         return value
 
+    def _fp16_buffer(self, key: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(("fp16", key))
+        if buf is None or buf.numel() != numel:
+            buf = self._buffers[("fp16", key)] = torch.empty(numel, dtype=torch.float16)
+        return buf
+
+    def _fp32_buffer(self, key: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(("fp32", key))
+        if buf is None or buf.numel() != numel:
+            buf = self._buffers[("fp32", key)] = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+    def calibrate(self, task: _Task, rounds: int = 15) -> None:
+        """Measure compute and the static / ladder plans' compression costs up front, interleaved.
+
+        Round after round, one forward + backward + update and then every plan (fp16, top-k at each
+        ladder CF) on the same gradients: load on the shared machine then hits every figure alike,
+        and the minimum over rounds approximates the work itself. Plans met later (the paper search's
+        many floor / candidate pairs) are measured while running (``CostBook``).
+        """
+        ckey = f"compute:mlp{task.width:g}:b{task.batch}"
+        plans = [(Method("fp16", "fp16", 2.0), Plan(1.0, ()))]
+        plans += [(Method(f"topk:{cf:g}", "topk", cf), Plan(cf, (cf,))) for cf in (10.0, 100.0, 1000.0)]
+        model = _new_model(task)
+        params = list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+        opt = torch.optim.SGD(params, lr=1e-6, momentum=self.momentum)
+        batches = [list(task.data.train_batches(0, r, task.world, task.batch, task.seed)) for r in range(task.world)]
+        ranks = {m.label: [_Rank() for _ in range(task.world)] for m, _ in plans}
+        compute: list[float] = []
+        costs: dict[str, list[float]] = {}
+        for i in range(rounds + 1):
+            grads = []
+            for r in range(task.world):
+                x, y = batches[r][i % len(batches[r])]
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                compute.append(time.perf_counter() - t0)
+                grads.append([p.grad.detach().reshape(-1).clone() for p in params])
+            for m, plan in plans:
+                rec, _ = self._exchange(m, plan, grads, names, ranks[m.label], i, params, charge=False)
+                key = ("cost:fp16" if m.kind == "fp16" else
+                       f"cost:send={plan.send_cf:g}:probe={','.join(f'{c:g}' for c in plan.probe_cfs)}")
+                if i > 0:  # the first round allocates the selectors' buffers
+                    costs.setdefault(f"{key}:params={sum(p.numel() for p in params)}", []).append(rec.cost_s)
+        if self.costs.known(ckey) is None:
+            self.costs.set(ckey, min(compute[task.world:]))
+        for key, values in costs.items():
+            if self.costs.known(key) is None:
+                self.costs.set(key, min(values))
+
     # ------------------------------------------------------------------ timing model
     def step_time(self, rec: _StepRecord, wl: Workload, compute_s: float, world: int, rng: random.Random) -> float:
         comp = wl.compute_ms / 1e3 if wl.compute_ms is not None else compute_s * wl.compute_scale
@@ -372,16 +431,19 @@ class Simulator:
         return t
 
     # ------------------------------------------------------------------ one run
-    def run(self, task: _Task, method: Method, total_steps: int, wl: Workload | None, label: str) -> RunResult:
+    def run(self, task: _Task, method: Method, total_steps: int, wl: Workload | None, label: str,
+            policy: Any = None) -> RunResult:
+        """Train ``method`` for ``total_steps``; a GraVAC run needs the workload (its decisions depend on
+        time). ``policy`` replaces the method's own (anything with plan / observe / summary)."""
         world = task.world
         model = _new_model(task)
         params = [p for p in model.parameters()]
         names = [n for n, _ in model.named_parameters()]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
         ranks = [_Rank() for _ in range(world)]
-        if method.kind == "gravac":
-            policy: Any = GravacPolicy(**dict(method.params))
-        else:
+        if policy is None and method.kind == "gravac":
+            policy = GravacPolicy(**dict(method.params))
+        elif policy is None:
             policy = StaticPolicy(cf=method.cf if method.kind == "topk" else 1.0)
         compute_s = self.compute_s(task)
         rng = random.Random(task.seed * 7919 + 17)
@@ -442,8 +504,11 @@ class Simulator:
             return float((model(task.x_eval).argmax(1) == task.y_eval).float().mean())
 
     def _exchange(self, method: Method, plan: Plan, grads: list[list[torch.Tensor]], names: list[str],
-                  ranks: list[_Rank], step: int, params: list[torch.nn.Parameter]) -> tuple[_StepRecord, _Sums]:
-        """Every rank compresses, the aggregate (exact average of what was sent) becomes each .grad."""
+                  ranks: list[_Rank], step: int, params: list[torch.nn.Parameter],
+                  charge: bool = True) -> tuple[_StepRecord, _Sums]:
+        """Every rank compresses, the aggregate (exact average of what was sent) becomes each .grad.
+
+        The record's cost is the plan's charged cost (``charge``), or this call's measurement."""
         world = len(ranks)
         sums = _Sums()
         dense_elems = 0
@@ -454,19 +519,26 @@ class Simulator:
         measured = 0.0
         for i, (name, p) in enumerate(zip(names, params)):
             numel = p.numel()
-            if method.kind == "fp16":
+            if method.kind == "fp16":  # each rank casts into a reused buffer, and back after the reduction
+                halves = []
+                for r in range(world):
+                    buf = self._fp16_buffer(f"{r}:{name}", numel)
+                    t0 = time.perf_counter()
+                    buf.copy_(grads[r][i])
+                    measured += (time.perf_counter() - t0) / world
+                    halves.append(buf.float())
+                _average_into(p.grad, halves)
+                back = self._fp32_buffer(name, numel)
                 t0 = time.perf_counter()
-                halves = [grads[r][i].to(torch.float16) for r in range(world)]
-                avg = torch.stack([h.float() for h in halves]).mean(0)
-                measured += (time.perf_counter() - t0) / world
+                back.copy_(halves[0].half())  # stands for the decompress cast of the reduced fp16 tensor
+                measured += time.perf_counter() - t0
                 dense_elems += numel
                 sent += numel * 2
-                p.grad.copy_(avg.view_as(p))
                 continue
             if numel < self.min_compress_numel or passthrough:
                 dense_elems += numel
                 sent += numel * 4
-                p.grad.copy_(torch.stack([grads[r][i] for r in range(world)]).mean(0).view_as(p))
+                _average_into(p.grad, [grads[r][i] for r in range(world)])
                 continue
             outs = []
             for r in range(world):
@@ -477,7 +549,7 @@ class Simulator:
             if outs[0][0] == "dense":
                 dense_elems += numel + stats_n
                 sent += (numel + stats_n) * 4
-                p.grad.copy_(torch.stack([o[1] for o in outs]).mean(0).view_as(p))
+                _average_into(p.grad, [o[1] for o in outs])
             else:
                 t0 = time.perf_counter()
                 out = torch.empty(numel, dtype=torch.float32)
@@ -495,10 +567,22 @@ class Simulator:
         else:
             key = f"cost:send={plan.send_cf:g}:probe={','.join(f'{c:g}' for c in probes)}"
             width = 4
-        cost = 0.0 if passthrough and method.kind != "fp16" else self.costs.charge(
-            f"{key}:params={sum(p.numel() for p in params)}", measured)
+        key = f"{key}:params={sum(p.numel() for p in params)}"
+        if passthrough and method.kind != "fp16":
+            cost = 0.0
+        else:
+            cost = self.costs.charge(key, measured) if charge else measured
         rec = _StepRecord(plan.send_cf, probes, cost, dense_elems, width, gather, sent, 0.0)
         return rec, sums
+
+
+def _average_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """out = mean of the flat ``parts`` (what an averaging allreduce returns), in place."""
+    flat = out.view(-1)
+    flat.copy_(parts[0])
+    for part in parts[1:]:
+        flat.add_(part)
+    flat.mul_(1.0 / len(parts))
 
 
 # ---------------------------------------------------------------------------------------------- analysis
@@ -576,63 +660,148 @@ def _fmt_ratio(vals: list[float | None]) -> str:
     return body + (f" ({missed} not reached)" if missed else "")
 
 
-def analyse(rows: dict[str, dict[str, list[dict[str, Any]]]], methods: list[str]) -> dict[str, Any]:
-    """Per workload and method: ratios per seed to dense and to the best static method of that seed."""
+def mean_curve(runs: list[dict[str, Any]], k: int) -> tuple[list[tuple[int, float]], list[float]]:
+    """The seed-averaged learning curve: mean accuracy per evaluation and mean simulated time per step.
+
+    Time to target on one seed is ill-conditioned here: the accuracy hovers around the target (dense's
+    final accuracy - 1 point) for a hundred steps, so which evaluation first crosses it moves by tens
+    of steps with any perturbation. Averaging the curves over seeds first, then crossing, is steadier.
+    """
+    n_steps = min(len(r["times"]) for r in runs)
+    n_evals = min(len(r["evals"]) for r in runs)
+    evals = [(runs[0]["evals"][i][0], statistics.fmean(r["evals"][i][1] for r in runs)) for i in range(n_evals)]
+    times = [statistics.fmean(r["times"][j] for r in runs) for j in range(n_steps)]
+    return evals, times
+
+
+def analyse(rows: dict[str, dict[str, list[dict[str, Any]]]], methods: list[str], k: int) -> dict[str, Any]:
+    """Per workload and method: times to target on the seed-mean curve, and per-seed ratios to dense and to
+    the best static method (dense, fp16, static top-k) of the same seed. Everything is recomputed from the
+    recorded evaluations and step times with ``k``-evaluation smoothing."""
     out: dict[str, Any] = {}
     for wl, by_method in rows.items():
         seeds = sorted({r["seed"] for rs in by_method.values() for r in rs})
+        statics = [x for x in by_method if x in _STATIC_LABELS]
+        dense_final = {r["seed"]: final_accuracy(r["evals"], k) for r in by_method["dense"]}
+        target = statistics.fmean(dense_final.values()) - 0.01
+
+        def seed_tta(r: dict[str, Any], finals: dict[int, float] = dense_final) -> float | None:
+            return time_to(r["evals"], r["times"], finals[r["seed"]] - 0.01, k)[0]
+
+        curve_tta = {}
+        for m, rs in by_method.items():
+            ev, times = mean_curve(rs, k)
+            curve_tta[m] = time_to(ev, times, target, k)[0]
+        best_static = min((curve_tta[x] for x in statics if curve_tta[x]), default=None)
+        best_label = next((x for x in statics if curve_tta[x] == best_static), None)
         table = {}
         for m in methods:
-            per = {r["seed"]: r for r in by_method.get(m, [])}
-            vs_best, vs_dense, speedup, dacc, bytes_r, tta, cf = [], [], [], [], [], [], []
+            if m not in by_method:
+                continue
+            per = {r["seed"]: r for r in by_method[m]}
+            vs_best, speedup, dacc, bytes_r, cf, ttas = [], [], [], [], [], []
             for s in seeds:
                 r = per.get(s)
                 if r is None:
                     continue
-                statics = [by_method[x] for x in by_method if x in _STATIC_LABELS]
-                best = min((rr["tta_s"] for rs in statics for rr in rs if rr["seed"] == s and rr["tta_s"]),
-                           default=None)
-                dense = next((rr for rr in by_method.get("dense", []) if rr["seed"] == s), None)
-                t = r["tta_s"]
-                tta.append(t)
+                best = min((t for x in statics for rr in by_method[x] if rr["seed"] == s
+                            for t in [seed_tta(rr)] if t), default=None)
+                dense = next((rr for rr in by_method["dense"] if rr["seed"] == s), None)
+                t = seed_tta(r)
+                td = seed_tta(dense) if dense else None
+                ttas.append(t)
                 vs_best.append(t / best if t and best else None)
-                vs_dense.append(t / dense["tta_s"] if t and dense and dense["tta_s"] else None)
-                speedup.append(dense["tta_s"] / t if t and dense and dense["tta_s"] else None)
-                dacc.append(100 * (r["final_accuracy"] - dense["final_accuracy"]) if dense else None)
+                speedup.append(td / t if t and td else None)
+                dacc.append(100 * (final_accuracy(r["evals"], k) - dense_final[s]) if s in dense_final else None)
                 bytes_r.append(r["bytes_ratio"])
                 cf.append(r["final_cf"])
-            table[m] = {"tta_s": tta, "vs_best_static": vs_best, "vs_dense": vs_dense, "speedup_vs_dense": speedup,
-                        "acc_delta_points": dacc, "bytes_ratio": bytes_r, "final_cf": cf}
-        out[wl] = table
+            c, cd = curve_tta[m], curve_tta["dense"]
+            table[m] = {"curve_tta_s": c, "curve_vs_best_static": c / best_static if c and best_static else None,
+                        "curve_vs_dense": c / cd if c and cd else None,
+                        "curve_speedup_vs_dense": cd / c if c and cd else None,
+                        "tta_s": ttas, "vs_best_static": vs_best,
+                        "speedup_vs_dense": speedup, "acc_delta_points": dacc, "bytes_ratio": bytes_r,
+                        "final_cf": cf, "mean_step_ms": statistics.fmean(r["mean_step_ms"] for r in by_method[m])}
+        out[wl] = {"target": target, "best_static": best_label, "methods": table}
     return out
 
 
 _STATIC_LABELS: set[str] = set()
 
 
-def markdown(analysis: dict[str, Any], info: dict[str, Any]) -> str:
+def _fmt(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def check_targets(analysis: dict[str, Any], label: str) -> list[tuple[str, str, bool | None]]:
+    """The issue's targets for method ``label``, on the seed-mean curves: (what, figure, met)."""
+    out: list[tuple[str, str, bool | None]] = []
+    for wl, a in analysis.items():
+        r = a["methods"].get(label)
+        if r is None:
+            continue
+        dense = a["methods"]["dense"]
+        pays = a["best_static"] not in ("dense", "fp16", None)
+        vs_best = r["curve_vs_best_static"]
+        out.append((f"{wl}: time to target <= 1.10x the best static ({a['best_static']})",
+                    f"{_fmt(vs_best)}x", None if vs_best is None else vs_best <= 1.10))
+        if not pays or (dense["curve_vs_best_static"] or 99) <= 1.05:
+            vd = r["curve_vs_dense"]
+            out.append((f"{wl}: compression does not pay, time to target <= 1.05x dense", f"{_fmt(vd)}x",
+                        None if vd is None else vd <= 1.05))
+        d = [v for v in r["acc_delta_points"] if v is not None]
+        worst = min(d) if d else None
+        out.append((f"{wl}: final accuracy within 1 point of dense (worst seed)", f"{_fmt(worst, '{:+.1f}')} points",
+                    None if worst is None else worst >= -1.0))
+        if wl.startswith("mlp4@1gbit") or wl == "mlp1@100mbit":
+            br = statistics.median(r["bytes_ratio"])
+            out.append((f"{wl}: >= 10x fewer bytes than dense", f"{br:.1f}x", br >= 10.0))
+        top10 = a["methods"].get("topk:10")
+        if wl.startswith("mlp4@1gbit") and top10 and top10["curve_tta_s"] and r["curve_tta_s"]:
+            sp = top10["curve_tta_s"] / r["curve_tta_s"]
+            out.append((f"{wl}: stretch, >= 1.5x faster than static top-k 10x", f"{sp:.2f}x", sp >= 1.5))
+    return out
+
+
+def _steps_text(steps: Any) -> str:
+    """'440 steps' for a step count; '20 epochs (22 steps each with 2 ranks)' style text is kept as is."""
+    return f"{steps} steps" if isinstance(steps, int) else str(steps)
+
+
+def markdown(analysis: dict[str, Any], info: dict[str, Any], check: str | None) -> str:
     lines = ["# GraVAC simulation", "", f"command: `{info['command']}`", "",
              f"{info['world']} simulated ranks, digits MLP, batch {info['batch']} per rank, SGD lr {info['lr']:g} "
-             f"momentum {info['momentum']:g}, {info['steps']} steps, evaluation every {info['eval_every']} steps, "
-             f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, observation lag {info['lag']}. "
-             f"Accuracy = mean of the last {info['smooth']} evaluations; target = dense's final accuracy - 1 point. "
-             "Figures: median [min-max] over seeds. `vs best static`: time to target divided by the best of dense, "
-             "fp16 and static top-k on the same seed (lower is better; <= 1.10 is the target); `speed-up`: "
-             "dense's time / this time.", ""]
-    for wl, table in analysis.items():
+             f"momentum {info['momentum']:g}, {_steps_text(info['steps'])}, "
+             f"evaluation every {info['eval_every']} steps, "
+             f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, observation lag {info['lag']}, "
+             f"tensors under {info['min_compress_numel']} elements dense, {info['latency_us']:g} us per collective.",
+             "",
+             f"Accuracy = mean of the last {info['smooth']} evaluations; target = dense's final accuracy - 1 point "
+             "(mean over seeds). `curve`: time to target of the seed-averaged learning curve (mean accuracy per "
+             "evaluation, mean simulated time per step); `vs best static` divides it by the best of dense, fp16 and "
+             "static top-k 10/100/1000 (lower is better). `per seed`: the same ratio seed by seed, median "
+             "[min-max]. `acc - dense`: final accuracy minus dense's, points, median [min..max] over seeds.", ""]
+    for wl, a in analysis.items():
         comp = info["compute_ms"].get(wl)
         lines += [f"## {wl}" + (f" (compute {comp:.1f} ms/step)" if comp else ""), "",
-                  "| method | time to target s | vs best static | speed-up vs dense | final acc - dense (points) "
-                  "| bytes dense/sent | final CF |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for m, r in table.items():
-            tta = _fmt_ratio(r["tta_s"])
+                  f"target accuracy {a['target']:.3f}; best static: {a['best_static']}", "",
+                  "| method | step ms | curve: time to target s | vs best static | speed-up vs dense "
+                  "| per seed: vs best static | acc - dense | bytes dense/sent | final CF |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for m, r in a["methods"].items():
             dacc = [v for v in r["acc_delta_points"] if v is not None]
             dacc_s = f"{statistics.median(dacc):+.1f} [{min(dacc):+.1f}..{max(dacc):+.1f}]" if dacc else "-"
             br = r["bytes_ratio"]
-            cfs = sorted({c for c in r["final_cf"] if c is not None})
-            lines.append(f"| {m} | {tta} | {_fmt_ratio(r['vs_best_static'])} | {_fmt_ratio(r['speedup_vs_dense'])} "
-                         f"| {dacc_s} | {statistics.median(br):.1f} [{min(br):.1f}-{max(br):.1f}] "
-                         f"| {', '.join(f'{c:g}' for c in cfs)} |")
+            cfs = ", ".join(f"{c:g}" for c in sorted({c for c in r["final_cf"] if c is not None}))
+            lines.append(f"| {m} | {r['mean_step_ms']:.1f} | {_fmt(r['curve_tta_s'])} | "
+                         f"{_fmt(r['curve_vs_best_static'])} | {_fmt(r['curve_speedup_vs_dense'])} | "
+                         f"{_fmt_ratio(r['vs_best_static'])} | {dacc_s} | "
+                         f"{statistics.median(br):.1f} [{min(br):.1f}-{max(br):.1f}] | {cfs} |")
+        lines.append("")
+    if check:
+        lines += [f"## Targets for `{check}`", "", "| target | simulated | met |", "|---|---:|---|"]
+        for what, fig, ok in check_targets(analysis, check):
+            lines.append(f"| {what} | {fig} | {'-' if ok is None else 'yes' if ok else '**no**'} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -692,8 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-compress-numel", type=int, default=4096,
                    help="smaller tensors go dense (default 4096, BENCHMARKS.md's)")
     p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps (default 4)")
-    p.add_argument("--smooth", type=int, default=3,
-                   help="accuracy used for targets and times: mean of the last K evaluations (default 3)")
+    p.add_argument("--smooth", type=int, default=None,
+                   help="accuracy used for targets and times: mean of the last K evaluations (default 5: 20 "
+                        "steps, about one epoch; with --report-only: the run's own, unless given)")
     p.add_argument("--lag", type=int, default=1,
                    help="observations fed this many steps late (default 1: the torch glue plans step t+1 "
                         "after observing step t-1)")
@@ -701,16 +871,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log-normal sigma of a random factor on every simulated step time (default 0.05)")
     p.add_argument("--latency-us", type=float, default=50.0, help="latency per collective in us (default 50)")
     p.add_argument("--costs", default=None, help="JSON of measured costs to reuse (a previous run's 'costs')")
+    p.add_argument("--cache", default=None,
+                   help="folder where static runs (dense, fp16, top-k) are kept and reused by later invocations "
+                        "with the same settings; use it with --costs so that their costs match")
     p.add_argument("--out", default="results/sim_gravac", help="output folder (default results/sim_gravac)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--log-every", type=int, default=0, help="log a line every N steps of each run (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--gain-study", action="store_true",
+                   help="instead of comparing methods: send dense, CF 10, 100 and 1000 for a whole run each (first "
+                        "workload, first seed) while probing CF 10, 100 and 1000, and tabulate the gain definitions")
+    p.add_argument("--check", default="gravac", help="method whose targets are checked (default gravac)")
+    p.add_argument("--report-only", metavar="JSON", nargs="+", default=None,
+                   help="re-render the tables (and PNG) of previous runs' results.json, training nothing; several "
+                        "files (other workloads, or other methods on the same seeds) are merged")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
+    if a.report_only:
+        return report_only([Path(x) for x in a.report_only], a)
+    a.smooth = a.smooth or 5
     torch.set_num_threads(a.threads)
     try:
         methods = [parse_method(s) for s in a.methods]
@@ -728,13 +911,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"method labels must differ: {labels}")
     _STATIC_LABELS.clear()
     _STATIC_LABELS.update(m.label for m in methods if m.static)
-    saved = json.loads(Path(a.costs).read_text())["costs"] if a.costs else None
+    saved = json.loads(Path(a.costs).read_text())["costs"] if a.costs else {}
+    cost_file = Path(a.cache) / "costs.json" if a.cache else None
+    if cost_file is not None and cost_file.exists():
+        saved = {**json.loads(cost_file.read_text()), **saved}
     costs = CostBook(saved=saved)
     sim = Simulator(costs, lr=a.lr, momentum=a.momentum, min_compress_numel=a.min_compress_numel,
                     eval_every=a.eval_every, lag=a.lag, jitter=a.jitter, latency_s=a.latency_us * 1e-6,
                     log_every=a.log_every)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.gain_study:
+        return gain_study(a, sim, workloads[0], out)
     widths = sorted({w.width for w in workloads})
     statics = [m for m in methods if m.static]
     adaptive = [m for m in methods if not m.static]
@@ -747,6 +935,12 @@ def main(argv: list[str] | None = None) -> int:
     def tick(what: str, extra: str) -> None:
         nonlocal done
         done += 1
+        if cost_file is not None:  # later invocations sharing the cache charge the same costs
+            cost_file.parent.mkdir(parents=True, exist_ok=True)
+            known = json.loads(cost_file.read_text()) if cost_file.exists() else {}
+            tmp = cost_file.with_suffix(f".{os.getpid()}.tmp")  # several invocations may share the cache
+            tmp.write_text(json.dumps({**costs.frozen(), **known}, indent=1, sort_keys=True))
+            tmp.replace(cost_file)
         el = time.perf_counter() - begin
         eta = el / done * (n_runs - done)
         bar = "#" * int(20 * done / n_runs)
@@ -756,15 +950,23 @@ def main(argv: list[str] | None = None) -> int:
         for width in widths:
             task = _build_task(seed, width, a.ranks, a.batch_size)
             total = a.steps or task.steps_per_epoch * a.epochs
+            sim.calibrate(task)
             comp = sim.compute_s(task)
             for wl in workloads:
                 if wl.width == width:
                     compute_ms[wl.name] = 1e3 * (wl.compute_ms / 1e3 if wl.compute_ms else comp * wl.compute_scale)
             static_res = {}
             for m in statics:
-                res = sim.run(task, m, total, None, f"{m.label} seed {seed} mlp{width:g}")
+                key = _cache_key(a, m, seed, width, total)
+                res = _cache_load(a.cache, key)
+                cached = res is not None
+                if res is None:
+                    res = sim.run(task, m, total, None, f"{m.label} seed {seed} mlp{width:g}")
+                    _cache_save(a.cache, key, res)
+                res.method = m.label
                 static_res[m.label] = res
-                tick(f"{m.label} seed {seed} mlp{width:g}", f"final acc {res.evals[-1][1]:.3f}")
+                tick(f"{m.label} seed {seed} mlp{width:g}",
+                     f"final acc {res.evals[-1][1]:.3f}" + (" (cached)" if cached else ""))
             for wl in (w for w in workloads if w.width == width):
                 target = final_accuracy(static_res["dense"].evals, a.smooth) - 0.01
                 for label, res in static_res.items():
@@ -780,15 +982,16 @@ def main(argv: list[str] | None = None) -> int:
                     tick(f"{m.label} seed {seed} {wl.name}",
                          f"final acc {s['final_accuracy']:.3f}, {ratio}, bytes /{s['bytes_ratio']:.1f}, "
                          f"final CF {s['final_cf']:g}")
-    analysis = analyse(rows, [m.label for m in methods])
+    analysis = analyse(rows, [m.label for m in methods], a.smooth)
     info = {"command": " ".join(["python benchmarks/sim_gravac.py", *(argv if argv is not None else sys.argv[1:])]),
             "world": a.ranks, "batch": a.batch_size, "smooth": a.smooth, "lr": a.lr, "momentum": a.momentum,
-            "eval_every": a.eval_every,
-            "steps": a.steps or f"{a.epochs} epochs", "seeds": a.seeds, "jitter": a.jitter, "lag": a.lag,
+            "eval_every": a.eval_every, "steps": a.steps or f"{a.epochs} epochs ({total} steps)", "seeds": a.seeds,
+            "jitter": a.jitter, "lag": a.lag,
             "compute_ms": compute_ms, "latency_us": a.latency_us, "min_compress_numel": a.min_compress_numel,
             "methods": {m.label: {"kind": m.kind, "cf": m.cf, "params": dict(m.params)} for m in methods},
             "torch": torch.__version__, "kernels": kernels.kernels_available()}
-    md = markdown(analysis, info)
+    check = a.check if a.check in labels else None
+    md = markdown(analysis, info, check)
     (out / "results.md").write_text(md + "\n")
     (out / "results.json").write_text(json.dumps({"info": info, "costs": costs.table(), "analysis": analysis,
                                                    "runs": rows}, indent=1, default=str) + "\n")
@@ -797,6 +1000,143 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_plot:
         try:
             plot(out / "results.png", rows, a.seeds[0])
+            print(f"wrote {out / 'results.png'}")
+        except ImportError:
+            print("matplotlib missing: no PNG")
+    return 0
+
+
+class _FixedPlan:
+    """A stand-in policy for ``--gain-study``: always the same plan; keeps every observation."""
+
+    def __init__(self, send_cf: float, probes: tuple[float, ...]) -> None:
+        self._plan = Plan(send_cf=send_cf, probe_cfs=probes)
+        self.observed: list[StepStats] = []
+
+    def plan(self) -> Plan:
+        return self._plan
+
+    def observe(self, stats: StepStats) -> None:
+        self.observed.append(stats)
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+GAIN_STUDY_PHASES = ((0, 20), (20, 60), (60, 150), (150, None))
+
+
+def gain_study(a: argparse.Namespace, sim: Simulator, workload: Workload, out: Path) -> int:
+    """Send each CF of (dense, 10, 100, 1000) for a whole run while probing 10, 100 and 1000 every step;
+    tabulate every gain definition per phase of training (what docs/gravac.md's gain table shows)."""
+    probes = (10.0, 100.0, 1000.0)
+    seed = a.seeds[0]
+    task = _build_task(seed, workload.width, a.ranks, a.batch_size)
+    total = a.steps or task.steps_per_epoch * a.epochs
+    result: dict[str, Any] = {"workload": workload.name, "seed": seed, "steps": total, "sent": {}}
+    lines = [f"# Gains on {workload.name}, seed {seed}, {total} steps", "",
+             "| sent CF | steps | gain of | norm | authors | delivered (unclipped) | sum||g+e||^2 / sum||g||^2 |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for send in (1.0, *probes):
+        fixed = _FixedPlan(send, probes)
+        res = sim.run(task, Method(f"send {send:g}", "gravac"), total, workload, f"gain study, send {send:g}",
+                      policy=fixed)
+        obs = fixed.observed
+        rows = {}
+        for lo, hi in GAIN_STUDY_PHASES:
+            seg = obs[lo:hi]
+            if not seg:
+                continue
+            gsq = sum(o.grad_sq_norm for o in seg)
+            gn = sum(o.grad_norm_sum for o in seg)
+            dsq = sum(o.dense_sq_norm for o in seg)
+            resid = dsq / gsq
+            for cf in probes:
+                norm = statistics.fmean(math.sqrt(o.compressed_sq_norms[cf] / o.dense_sq_norm) for o in seg)
+                auth = sum(o.compressed_norm_sums[cf] for o in seg) / gn
+                deliv = math.sqrt(sum(o.compressed_sq_norms[cf] for o in seg) / gsq)
+                phase = f"{lo}-{min(hi, len(obs)) if hi is not None else len(obs)}"
+                rows.setdefault(phase, {})[f"{cf:g}"] = {"norm": norm, "authors": auth, "delivered": deliv,
+                                                         "residual_ratio": resid}
+                lines.append(f"| {send:g} | {phase} | CF {cf:g} | {norm:.2f} | {auth:.2f} | {deliv:.2f} "
+                             f"| {resid:.1f} |")
+        result["sent"][f"{send:g}"] = {"phases": rows, "final_accuracy": final_accuracy(res.evals, a.smooth),
+                                       "evals": res.evals}
+        print(f"send {send:g}: final accuracy {final_accuracy(res.evals, a.smooth):.3f}", flush=True)
+    lines += ["", "final accuracy (mean of the last evaluations): " + ", ".join(
+        f"send {k}: {v['final_accuracy']:.3f}" for k, v in result["sent"].items())]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gain_study.md").write_text("\n".join(lines) + "\n")
+    (out / "gain_study.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out / 'gain_study.md'} and {out / 'gain_study.json'}")
+    return 0
+
+
+def _cache_key(a: argparse.Namespace, m: Method, seed: int, width: float, total: int) -> str:
+    """Everything a static run's trajectory and measured costs depend on (not the link: timed later)."""
+    import hashlib
+
+    text = json.dumps([m.kind, m.cf, seed, width, total, a.ranks, a.batch_size, a.lr, a.momentum,
+                       a.min_compress_numel, a.eval_every, torch.__version__, 1])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _cache_load(folder: str | None, key: str) -> RunResult | None:
+    if not folder:
+        return None
+    path = Path(folder) / f"{key}.json"
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    records = [_StepRecord(r[0], tuple(r[1]), r[2], r[3], r[4], list(r[5]), r[6], r[7]) for r in d["records"]]
+    return RunResult(d["method"], None, d["seed"], d["width"], records, [tuple(e) for e in d["evals"]],
+                     d["dense_bytes"])
+
+
+def _cache_save(folder: str | None, key: str, res: RunResult) -> None:
+    """Static runs do not depend on the policy code, so later invocations may reuse them (``--cache``)."""
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    d = {"method": res.method, "seed": res.seed, "width": res.width, "evals": res.evals,
+         "dense_bytes": res.dense_bytes_per_step,
+         "records": [[r.send_cf, list(r.probes), r.cost_s, r.dense_elems, r.dense_width, r.gather_elems,
+                      r.bytes_sent, r.loss] for r in res.records]}
+    tmp = Path(folder) / f"{key}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(d))
+    tmp.replace(Path(folder) / f"{key}.json")
+
+
+def report_only(paths: list[Path], a: argparse.Namespace) -> int:
+    """Re-analyse saved results.json files (merged), writing results.md (and a PNG) into ``--out``."""
+    datas = [json.loads(p.read_text()) for p in paths]
+    info = dict(datas[0]["info"])
+    info["command"] = " ; ".join(d["info"]["command"] for d in datas)
+    info["methods"] = {k: v for d in datas for k, v in d["info"]["methods"].items()}
+    info["compute_ms"] = {k: v for d in datas for k, v in d["info"]["compute_ms"].items()}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for d in datas:
+        for wl, by_method in d["runs"].items():
+            for m, rs in by_method.items():
+                have = rows.setdefault(wl, {}).setdefault(m, [])
+                seen = {r["seed"] for r in have}
+                have.extend(r for r in rs if r["seed"] not in seen)
+    _STATIC_LABELS.clear()
+    _STATIC_LABELS.update(k for k, v in info["methods"].items() if v["kind"] in STATIC_KINDS)
+    smooth = a.smooth or int(info.get("smooth", 5))
+    methods = list(info["methods"])
+    analysis = analyse(rows, methods, smooth)
+    info = {**info, "smooth": smooth}
+    md = markdown(analysis, info, a.check if a.check in methods else None)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {out / 'results.md'}")
+    if not a.no_plot:
+        try:
+            plot(out / "results.png", rows, info["seeds"][0])
             print(f"wrote {out / 'results.png'}")
         except ImportError:
             print("matplotlib missing: no PNG")

@@ -57,6 +57,9 @@ AUTO_WINDOW_MIN = 4
 AUTO_WINDOW_MAX = 500
 #: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
 _SKIP_MARGIN = 2.0
+#: ... and dense, tried last, when predicted this many times beyond it (the guess overrates dense's time
+#: when the CFs differ mostly by compression cost, which dense does not pay).
+_DENSE_MARGIN = 4.0
 
 Window = Union[int, str]
 
@@ -174,9 +177,15 @@ class _Trial:
     cf: float
     times: list[float] = field(default_factory=list)
     samples: float = 0.0
-    num: float = 0.0
-    den: float = 0.0
-    measured: int = 0  # observations that carried this CF's gain
+    terms: list[list[float]] = field(default_factory=list)  # [numerator, denominator] per measured step
+
+    def gain_terms(self) -> tuple[float, float] | None:
+        """Summed gain terms of the second half of the window: the first steps after a switch still
+        flush (or build) the previous CF's residual and measure the switch, not this CF."""
+        if not self.terms:
+            return None
+        half = self.terms[len(self.terms) // 2:]
+        return sum(t[0] for t in half), sum(t[1] for t in half)
 
 
 @dataclass
@@ -205,6 +214,7 @@ class _State:
     retry_gap: int = 0
     searches: int = 0
     search_step: int = 0  # observations when the current search began
+    turn_down: bool = False  # an upward walk that stops at its first rung then walks down
     reason: str = ""
 
 
@@ -266,6 +276,7 @@ class GravacPolicy:
         search: str = "paper",
         cf_step: float = 10.0,
         reopen_drift: float = 0.25,
+        start_cf: float | None = None,
     ) -> None:
         if not _is_real(cf_min) or cf_min < 1:
             raise ValueError(f"cf_min must be a finite number >= 1, got {cf_min!r}")
@@ -293,6 +304,8 @@ class GravacPolicy:
             raise ValueError(f"cf_step must be a finite number > 1, got {cf_step!r}")
         if not _is_real(reopen_drift) or reopen_drift < 0.0:
             raise ValueError(f"reopen_drift must be a finite number >= 0, got {reopen_drift!r}")
+        if start_cf is not None and (not _is_real(start_cf) or not cf_min <= start_cf <= cf_max):
+            raise ValueError(f"start_cf must be None or a number in [cf_min, cf_max], got {start_cf!r}")
         self._cf_min0 = float(cf_min)
         self._cf_max = float(cf_max)
         self._epsilon = float(epsilon)
@@ -305,10 +318,25 @@ class GravacPolicy:
         self._search_kind = search
         self._cf_step = float(cf_step)
         self._drift = float(reopen_drift)
+        self._start_cf = None if start_cf is None else float(start_cf)
         self._rungs = self._ladder()
         self._s = self._initial_state()
         if search == "ladder" and warmup_steps == 0:
-            self._start_search(len(self._rungs) - 1, -1)
+            self._first_search()
+
+    def _start_rung(self) -> int:
+        """Index of the rung the first search tries: the top, or the highest rung <= start_cf."""
+        if self._start_cf is None:
+            return len(self._rungs) - 1
+        return max(i for i, cf in enumerate(self._rungs) if cf <= self._start_cf * (1.0 + 1e-9))
+
+    def _first_search(self) -> None:
+        """From the top of the ladder: walk down. From a middle rung: walk up first, then down."""
+        i = self._start_rung()
+        if i == len(self._rungs) - 1:
+            self._start_search(i, -1)
+        else:
+            self._start_search(i, +1, turn_down=True)
 
     def _ladder(self) -> tuple[float, ...]:
         """Dense, then cf_min * cf_step^i below cf_max, then cf_max (ascending)."""
@@ -367,7 +395,7 @@ class GravacPolicy:
         s.step += 1
         if s.step <= self._warmup:
             if s.step == self._warmup and self._search_kind == "ladder":
-                self._start_search(len(self._rungs) - 1, -1)
+                self._first_search()
             return  # warm-up: gains only, no throughput and no search
         if self._search_kind == "paper":
             self._observe_paper(stats, step_gains)
@@ -497,15 +525,21 @@ class GravacPolicy:
         s.floor = s.candidate = cf
 
     # ------------------------------------------------------------------ ladder search
-    def _start_search(self, rung: int, direction: int, best: float | None = None, best_rate: float = 0.0) -> None:
-        """Begin a search: try ``self._rungs[rung]``, then walk in ``direction`` (-1 down, +1 up)."""
+    def _start_search(self, rung: int, direction: int, best: float | None = None, best_rate: float = 0.0,
+                      turn_down: bool = False, keep_times: bool = False) -> None:
+        """Begin a search: try ``self._rungs[rung]``, then walk in ``direction`` (-1 down, +1 up); with
+        ``turn_down``, an upward walk that stops at its first rung continues downward from there; with
+        ``keep_times``, step times of the previous search still count for predictions (nothing changed
+        but a gain)."""
         s = self._s
         s.settled = False
         s.direction = direction
+        s.turn_down = turn_down
         s.best = best
         s.best_rate = best_rate
         s.searches += 1
-        s.search_step = s.step
+        if not keep_times:
+            s.search_step = s.step
         s.recent = []
         self._try(self._rungs[rung])
 
@@ -528,9 +562,7 @@ class GravacPolicy:
             tr.samples += n
             terms = self._step_terms(stats, cf) if cf > _DENSE else None
             if terms is not None:
-                tr.num += terms[0]
-                tr.den += terms[1]
-                tr.measured += 1
+                tr.terms.append([terms[0], terms[1]])
             if len(tr.times) >= self.window_at(s.step - len(tr.times)):
                 s.windows += 1
                 self._judge(tr)
@@ -545,7 +577,7 @@ class GravacPolicy:
             g = s.gains.get(s.floor)
             if g is not None and s.settled_gain_steps >= w and g.value < self._epsilon:
                 self._note_gain_failure(s.floor)
-                self._start_search(self._rungs.index(s.floor) - 1, -1)  # walk down from below it
+                self._start_search(self._rungs.index(s.floor) - 1, -1, keep_times=True)  # walk down from below
                 return
         if s.retry_rung is not None and s.step >= s.retry_at:
             self._retry()
@@ -561,7 +593,8 @@ class GravacPolicy:
         s = self._s
         step_time = _median(tr.times)
         per_step = tr.samples / len(tr.times)
-        gain = self._ratio(tr.num, tr.den) if tr.measured and tr.cf > _DENSE else None
+        terms = tr.gain_terms() if tr.cf > _DENSE else None
+        gain = self._ratio(*terms) if terms is not None else None
         passes = gain is None or gain >= self._epsilon
         rate = per_step / step_time * (1.0 if gain is None else min(1.0, gain))
         s.rates[tr.cf] = [rate, 1.0 if tr.cf == _DENSE else (math.nan if gain is None else gain), step_time,
@@ -580,39 +613,56 @@ class GravacPolicy:
                     self._settle(tr.cf, step_time)
             elif s.best is None:
                 self._try(self._rungs[i - 1])  # failed the gain test, nothing chosen yet: look lower
+            elif i > 0 and not self._hopeless(0, _DENSE_MARGIN):
+                # A lower CF lost, but maybe to its compression cost, which dense does not pay: time
+                # dense too, unless the CFs measured so far put it far out of reach.
+                self._try(_DENSE)
             else:
                 self._settle(s.best, s.rates[s.best][2])
             return
-        # walking up (a retry): a higher CF must beat the best by more than omega
-        if passes and rate > s.best_rate * (1.0 + self._omega):
-            s.best, s.best_rate = tr.cf, rate
+        # walking up: a higher CF must beat the best by more than omega
+        if passes and (s.best is None or rate > s.best_rate * (1.0 + self._omega)):
+            first = s.best is None
+            s.best, s.best_rate = tr.cf, max(s.best_rate, rate)
+            s.turn_down = s.turn_down and first  # once the walk up has moved, it never turns down
             if i + 1 < len(self._rungs):
                 self._try(self._rungs[i + 1])
-            else:
+                return
+            if not s.turn_down:
                 self._settle(tr.cf, step_time)
+                return
+        elif s.best is not None and not (s.turn_down and self._rungs.index(s.best) == i - 1):
+            self._settle(s.best, s.rates[s.best][2])  # the walk up stopped after moving: settle there
             return
-        best = s.best if s.best is not None else _DENSE
-        self._settle(best, s.rates[best][2] if best in s.rates else step_time)
+        # the first rung did not beat what is below it: walk down from there, as from the top
+        s.direction, s.turn_down = -1, False
+        j = self._rungs.index(s.best) if s.best is not None else i
+        if j > 0 and not self._hopeless(j - 1):
+            self._try(self._rungs[j - 1])
+        elif s.best is not None:
+            self._settle(s.best, s.rates[s.best][2])
+        else:
+            self._try(self._rungs[j - 1])
 
-    def _hopeless(self, rung: int) -> bool:
-        """True when the two CFs just above ``rung``, timed in this search, predict it far too slow.
+    def _hopeless(self, rung: int, margin: float = 0.0) -> bool:
+        """True when the two nearest CFs above ``rung`` timed in this search predict it far too slow.
 
         Communication time scales as 1 / CF, so two measured step times T(a) and T(b) give
-        T(cf) ~ T(a) + slope * (1 / cf - 1 / a). A lower CF predicted to fall short of the best
-        compression throughput by more than ``_SKIP_MARGIN`` times omega's allowance is not tried: on a
-        slow link a window at CF 10 or dense can cost more than the whole search saves. The margin
-        keeps the guess on the safe side (compression cost does not scale as 1 / CF).
+        T(cf) ~ T(a) + slope * (1 / cf - 1 / a). A CF predicted to fall short of the best compression
+        throughput by more than ``margin`` (default ``_SKIP_MARGIN``) times omega's allowance is not
+        tried: on a slow link a window at CF 10 or dense can cost more than the whole search saves.
+        The margin keeps the guess on the safe side (compression cost does not scale as 1 / CF).
         """
         s = self._s
-        a, b = self._rungs[rung + 1], self._rungs[rung + 2] if rung + 2 < len(self._rungs) else None
-        ra, rb = s.rates.get(a), s.rates.get(b) if b is not None else None
-        if ra is None or rb is None or ra[4] < s.search_step or rb[4] < s.search_step:
+        above = [cf for cf in self._rungs[rung + 1:] if cf in s.rates and s.rates[cf][4] >= s.search_step][:2]
+        if len(above) < 2:
             return False
+        (a, b), ra, rb = above, s.rates[above[0]], s.rates[above[1]]
         slope = (ra[2] - rb[2]) / (1.0 / a - 1.0 / b)
         if not slope > 0.0:
             return False
         predicted = ra[2] + slope * (1.0 / self._rungs[rung] - 1.0 / a)
-        return ra[3] / predicted * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate
+        return ra[3] / predicted * (margin or _SKIP_MARGIN) * (1.0 + self._omega) < s.best_rate
 
     def _note_gain_failure(self, cf: float) -> None:
         """A CF failed the gain test: if the search settles below it, try it again later."""
@@ -628,11 +678,18 @@ class GravacPolicy:
         s.ref_time = step_time
         s.recent = []
         s.settled_gain_steps = 0
+        # A higher CF timed in this search that lost only through its gain deficit (it would have won
+        # on step time alone) may keep up once its residual has built: retry it too.
+        best = s.rates[cf][0] if cf in s.rates else s.best_rate
+        for hi, r in sorted(s.rates.items()):
+            if hi > cf and r[4] >= s.search_step and r[1] < 1.0 and r[3] / r[2] > best * (1.0 + self._omega):
+                self._note_gain_failure(hi)
+                break
         if s.retry_rung is not None and s.retry_rung <= cf:
             s.retry_rung = None
         s.reason = "gain" if s.retry_rung is not None else "time"
         if s.retry_rung is not None:  # doubling gaps: a CF that keeps failing costs O(log steps) trials
-            s.retry_gap = max(4 * self.window_at(s.step), 2 * s.retry_gap, s.step)
+            s.retry_gap = max(2 * self.window_at(s.step), 2 * s.retry_gap, s.step // 2)
             s.retry_at = s.step + s.retry_gap
 
     def _retry(self) -> None:
@@ -731,6 +788,7 @@ class GravacPolicy:
             "search": self._search_kind,
             "cf_step": self._cf_step,
             "reopen_drift": self._drift,
+            "start_cf": self._start_cf,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -784,7 +842,7 @@ class GravacPolicy:
             "throughput": [
                 [cf, e.samples, e.time_s, e.gain_sum, e.count] for cf, e in sorted(s.throughput.items())
             ],
-            "trial": None if tr is None else [tr.cf, list(tr.times), tr.samples, tr.num, tr.den, tr.measured],
+            "trial": None if tr is None else [tr.cf, list(tr.times), tr.samples, [list(t) for t in tr.terms]],
             "direction": s.direction,
             "best": s.best,
             "best_rate": s.best_rate,
@@ -797,6 +855,7 @@ class GravacPolicy:
             "retry_gap": s.retry_gap,
             "searches": s.searches,
             "search_step": s.search_step,
+            "turn_down": s.turn_down,
             "reason": s.reason,
         }
 
@@ -818,7 +877,7 @@ class GravacPolicy:
                 for cf, n, t, g, c in state["throughput"]
             },
             trial=None if tr is None else _Trial(float(tr[0]), [float(x) for x in tr[1]], float(tr[2]),
-                                                 float(tr[3]), float(tr[4]), int(tr[5])),
+                                                 [[float(a), float(b)] for a, b in tr[3]]),
             direction=int(state["direction"]),
             best=None if state["best"] is None else float(state["best"]),
             best_rate=float(state["best_rate"]),
@@ -831,6 +890,7 @@ class GravacPolicy:
             retry_gap=int(state["retry_gap"]),
             searches=int(state["searches"]),
             search_step=int(state["search_step"]),
+            turn_down=bool(state["turn_down"]),
             reason=str(state["reason"]),
         )
         self._check_state(st)
