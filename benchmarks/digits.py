@@ -84,9 +84,10 @@ def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32
             "last3_accuracy": sum(h["test_accuracy"] for h in history[-3:]) / len(history[-3:])}
 
 
-def demo_compression() -> Any:
-    """Hand-tuned GraVAC settings (not the defaults) that test_compression_hvd's digits test trains with:
-    the defaults on main stay dense on this MLP (issue 12). `make demo` uses `AdaptiveCompression()` itself."""
+def paper_search_compression() -> Any:
+    """GraVAC's paper search (an option, not the default) with the settings test_compression_hvd's digits
+    test trains with: it decides on gains alone, so it compresses on any link (loopback included)."""
     from crossover import AdaptiveCompression
 
-    return AdaptiveCompression("topk", cf_min=30, epsilon=0.15, window=100, min_compress_numel=4096)
+    return AdaptiveCompression("topk", search="paper", gain="norm", cf_min=30, epsilon=0.15, window=100,
+                               min_compress_numel=4096)

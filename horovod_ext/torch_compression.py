@@ -69,8 +69,7 @@ class _SparseCompression(TorchHookBase):
         self.driver.count(sent, dense)
 
     def _skips_all(self) -> bool:
-        cur = self.driver.current
-        return cur.sent_cf <= 1 and not cur.probes
+        return self.driver.skips_all()
 
     def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
         payload, ctx, sent = self.codec.encode(key, tensor, self.driver.current, self.driver.last_step_time,

@@ -48,6 +48,10 @@ def _step(ranks: list[SimRank], grads: list[dict[str, torch.Tensor]], op: str = 
     for r, g in zip(ranks, grads):
         out = {}
         for key, tensor in g.items():
+            if r.driver.skips_all():  # as the hosts do: the tensor goes through untouched
+                r.driver.count(tensor.numel() * 4, tensor.numel() * 4)
+                out[key] = (tensor, None)
+                continue
             payload, ctx, sent = r.codec.encode(key, tensor, r.driver.current, r.driver.last_step_time, r.comm)
             r.driver.count(sent, tensor.numel() * 4)
             out[key] = (payload, ctx)
@@ -58,6 +62,9 @@ def _step(ranks: list[SimRank], grads: list[dict[str, torch.Tensor]], op: str = 
         for key, (_, ctx) in enc.items():
             total = sum(e[key][0] for e in encoded)
             reduced = total / world if op == "average" else total
+            if ctx is None:
+                dec[key] = reduced.clone()
+                continue
             grad, stats = r.codec.decode(reduced.clone(), ctx, r.comm)
             r.driver.add_reduced(stats.tolist(), world)
             dec[key] = grad.clone()
@@ -113,6 +120,27 @@ def test_dense_plan_with_probes_sends_gradient_plus_residual():
     torch.testing.assert_close(out[0]["w"], sum(acc) / world, rtol=1e-5, atol=1e-6)
     for r, g in zip(ranks, grads):
         assert float(r.codec.memory.residual("w", g["w"]).abs().sum()) == 0.0
+
+
+def test_dense_steps_of_the_ladder_are_measured_and_observed():
+    """A ladder that tries (or settles on) dense still needs every step's time: its windows, retries and
+    drift checks count observed steps. Only a plan that measures nothing passes tensors through."""
+    world, n = 2, 20_000
+    group = SimulatedGroup(world)
+    ranks = [SimRank(group, r, GravacPolicy(window=4)) for r in range(world)]
+    clock = 0.0
+    steps = 60
+    for step in range(steps):
+        _step(ranks, _grads(world, step, {"w": n}), t=clock)
+        # compression never pays here: a compressed step costs 50% more than a dense one
+        clock += 0.1 if ranks[0].driver.current.sent_cf == 1.0 else 0.15
+        assert not any(r.driver.skips_all() for r in ranks)
+    for r in ranks:
+        assert r.driver.policy.step == steps - 2  # observations lag two steps, dense steps included
+        assert r.driver.policy.send_cf == 1.0 and r.driver.policy.settled
+    dense_only = SparseStepDriver(StaticPolicy(cf=1.0), compressor="topk", seed=0)
+    dense_only.begin_step(0.0)
+    assert dense_only.skips_all()
 
 
 def test_every_rank_plans_the_same_with_different_gradients():

@@ -153,6 +153,7 @@ class StepRecord:
     step: int
     sent_cf: float
     probes: tuple[float, ...]
+    measure: bool = False  # the plan's `measure`: statistics travel even on a dense step without probes
     tensors: int = 0
     grad_sq: float = 0.0
     grad_norm: float = 0.0
@@ -243,8 +244,8 @@ class StepRecord:
             _check_real("step record probe statistic", v, 0.0)
         if self.prev_step_time is not None:
             _check_real("step record prev_step_time", self.prev_step_time, 0.0)
-        if not isinstance(self.nonfinite, bool) or not isinstance(self.saturated, bool):
-            raise ValueError("step record nonfinite/saturated must be booleans")
+        if not all(isinstance(v, bool) for v in (self.nonfinite, self.saturated, self.measure)):
+            raise ValueError("step record nonfinite/saturated/measure must be booleans")
 
 
 def _check_int(what: str, v: object, lo: int) -> int:
@@ -358,8 +359,15 @@ class SparseStepDriver:
             self._finish(self.current)
         plan = self.policy.plan()
         self.current = StepRecord(step=self.step, sent_cf=float(plan.send_cf),
-                                  probes=tuple(float(p) for p in plan.probe_cfs))
+                                  probes=tuple(float(p) for p in plan.probe_cfs),
+                                  measure=bool(getattr(plan, "measure", False)))
         return self.current
+
+    def skips_all(self) -> bool:
+        """True when the step in flight neither compresses nor measures anything: every tensor may go
+        through untouched (exact dense). Identical on every rank (it depends on the plan only)."""
+        cur = self.current
+        return cur is not None and cur.sent_cf <= 1 and not cur.probes and not cur.measure
 
     def _finish(self, rec: StepRecord) -> None:
         """Step t's statistics are complete; step t-1's duration arrived with them: observe t-1."""

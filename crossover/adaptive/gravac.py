@@ -48,17 +48,18 @@ GAINS = ("delivered", "authors", "norm")
 #: Names accepted for ``search``.
 SEARCHES = ("ladder", "paper")
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 _DENSE = 1.0
 _AUTO = "auto"
 #: ``window="auto"``: a window is this fraction of the steps observed so far, within the bounds below.
 AUTO_WINDOW_FRACTION = 0.02
 AUTO_WINDOW_MIN = 4
 AUTO_WINDOW_MAX = 500
+#: Ladder search, settled: step-time drift is judged on the median of at least this many steps.
+DRIFT_MIN_STEPS = 20
 #: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
 _SKIP_MARGIN = 2.0
-#: ... and dense, tried last, when predicted this many times beyond it (the guess overrates dense's time
-#: when the CFs differ mostly by compression cost, which dense does not pay).
+#: ... dense when predicted this many times beyond it (the 1 / CF extrapolation overrates dense's time).
 _DENSE_MARGIN = 4.0
 
 Window = Union[int, str]
@@ -78,6 +79,9 @@ class Plan:
 
     send_cf: float
     probe_cfs: tuple[float, ...]
+    #: Report this step's statistics even when it is dense and probes nothing: the step time (and the
+    #: step itself) must reach the policy. False lets the caller pass every tensor through untouched.
+    measure: bool = False
 
     @property
     def dense(self) -> bool:
@@ -206,7 +210,12 @@ class _State:
     best_rate: float = 0.0  # best compression throughput of the current search
     # cf -> [compression throughput, gain, median step time, samples per step, step judged]
     rates: dict[float, list[float]] = field(default_factory=dict)
-    ref_time: float = 0.0  # step time of the settled CF when it settled
+    ref_time: float = 0.0  # step time of the settled CF: its trial's, then its first full drift window's
+    ref_stale: bool = False  # ref_time still comes from the trial (re-based on the first drift window)
+    reopen_at: int = 0  # no drift re-open before this step
+    reopen_gap: int = 0  # wait after settling before a drift re-open; doubles with every drift re-open
+    drift_from: float | None = None  # the settled CF a drift re-open left (None: not a drift search)
+    dense_after: int = 0  # dense is not timed again before this step (it lost clearly last time)
     recent: list[float] = field(default_factory=list)  # step times of the settled CF, newest last
     settled_gain_steps: int = 0
     retry_rung: float | None = None  # a higher CF that failed the gain test: tried again at retry_at
@@ -266,14 +275,14 @@ class GravacPolicy:
         *,
         cf_min: float = 10.0,
         cf_max: float = 1000.0,
-        epsilon: float = 0.9,
-        omega: float = 0.01,
-        window: Window = 500,
+        epsilon: float = 0.5,
+        omega: float = 0.1,
+        window: Window = _AUTO,
         scaling: str = "exponential",
         warmup_steps: int = 0,
         ewma_alpha: float = 0.1,
-        gain: str = "norm",
-        search: str = "paper",
+        gain: str = "delivered",
+        search: str = "ladder",
         cf_step: float = 10.0,
         reopen_drift: float = 0.25,
         start_cf: float | None = None,
@@ -373,10 +382,12 @@ class GravacPolicy:
             if s.step < self._warmup:
                 return Plan(send_cf=_DENSE, probe_cfs=probes)
             return Plan(send_cf=self._choose(), probe_cfs=probes)
+        # The ladder counts its windows, retries and drift in observed steps: a dense step must be
+        # observed too (warm-up, dense on trial, settled on dense), so it always asks to be measured.
         if s.step < self._warmup:
-            return Plan(send_cf=_DENSE, probe_cfs=())
+            return Plan(send_cf=_DENSE, probe_cfs=(), measure=True)
         cf = s.trial.cf if s.trial is not None else s.floor
-        return Plan(send_cf=cf, probe_cfs=(cf,) if cf > _DENSE else ())
+        return Plan(send_cf=cf, probe_cfs=(cf,) if cf > _DENSE else (), measure=True)
 
     def _choose(self) -> float:
         """Paper search: candidate if its gain >= epsilon, else the floor if so, else dense."""
@@ -563,15 +574,16 @@ class GravacPolicy:
             terms = self._step_terms(stats, cf) if cf > _DENSE else None
             if terms is not None:
                 tr.terms.append([terms[0], terms[1]])
-            if len(tr.times) >= self.window_at(s.step - len(tr.times)):
+            if len(tr.times) >= self.window_at(s.step - len(tr.times)) or self._losing(tr):
                 s.windows += 1
                 self._judge(tr)
             return
         if cf != s.floor:
             return
         w = self.window_at(s.step)
+        dw = max(w, DRIFT_MIN_STEPS)
         s.recent.append(t)
-        del s.recent[:-w]
+        del s.recent[:-dw]
         if s.floor > _DENSE:
             s.settled_gain_steps += 1
             g = s.gains.get(s.floor)
@@ -582,11 +594,27 @@ class GravacPolicy:
         if s.retry_rung is not None and s.step >= s.retry_at:
             self._retry()
             return
-        if self._drift > 0.0 and len(s.recent) >= w:
+        if self._drift > 0.0 and len(s.recent) >= dw:
             med = _median(s.recent)
-            if med > s.ref_time * (1.0 + self._drift) or med * (1.0 + self._drift) < s.ref_time:
+            if s.ref_stale:
+                # A trial's few steps are a noisy reference: the settled CF's own first full window is it.
+                s.ref_time, s.ref_stale = med, False
+            elif s.step >= s.reopen_at and (med > s.ref_time * (1.0 + self._drift)
+                                            or med * (1.0 + self._drift) < s.ref_time):
                 s.retry_rung = None  # the new search tries the CFs above again anyway
+                s.drift_from = s.floor
                 self._start_search(min(self._rungs.index(s.floor) + 1, len(self._rungs) - 1), -1)
+
+    def _losing(self, tr: _Trial) -> bool:
+        """True when the CF on trial is already far behind the best of the search: its median step time
+        over the shortest window gives a system throughput short of the best compression throughput by
+        more than ``_SKIP_MARGIN`` times omega's allowance (its gain could only lower it further). A
+        wrong rung then costs a few steps, not a whole window (a dense window on a slow link is long)."""
+        s = self._s
+        if s.best is None or len(tr.times) < AUTO_WINDOW_MIN:
+            return False
+        rate = tr.samples / len(tr.times) / _median(tr.times)
+        return rate * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate
 
     def _judge(self, tr: _Trial) -> None:
         """End of a trial window: keep walking, or settle on the best CF of this search."""
@@ -600,6 +628,9 @@ class GravacPolicy:
         s.rates[tr.cf] = [rate, 1.0 if tr.cf == _DENSE else (math.nan if gain is None else gain), step_time,
                           per_step, float(s.step)]
         i = self._rungs.index(tr.cf)
+        if tr.cf == _DENSE and rate * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate:
+            # Dense lost clearly: do not time it again before the run has doubled (O(log steps) trials).
+            s.dense_after = s.step + max(DRIFT_MIN_STEPS, s.step)
         if not passes:
             self._note_gain_failure(tr.cf)
         if s.direction < 0:
@@ -613,7 +644,7 @@ class GravacPolicy:
                     self._settle(tr.cf, step_time)
             elif s.best is None:
                 self._try(self._rungs[i - 1])  # failed the gain test, nothing chosen yet: look lower
-            elif i > 0 and not self._hopeless(0, _DENSE_MARGIN):
+            elif i > 0 and not self._hopeless(0):
                 # A lower CF lost, but maybe to its compression cost, which dense does not pay: time
                 # dense too, unless the CFs measured so far put it far out of reach.
                 self._try(_DENSE)
@@ -644,25 +675,36 @@ class GravacPolicy:
         else:
             self._try(self._rungs[j - 1])
 
-    def _hopeless(self, rung: int, margin: float = 0.0) -> bool:
-        """True when the two nearest CFs above ``rung`` timed in this search predict it far too slow.
+    def _hopeless(self, rung: int) -> bool:
+        """True when CFs timed in this search predict ``rung`` far too slow to be worth a trial.
 
         Communication time scales as 1 / CF, so two measured step times T(a) and T(b) give
         T(cf) ~ T(a) + slope * (1 / cf - 1 / a). A CF predicted to fall short of the best compression
-        throughput by more than ``margin`` (default ``_SKIP_MARGIN``) times omega's allowance is not
-        tried: on a slow link a window at CF 10 or dense can cost more than the whole search saves.
-        The margin keeps the guess on the safe side (compression cost does not scale as 1 / CF).
+        throughput by more than ``_SKIP_MARGIN`` times omega's allowance is not tried: on a slow link a
+        window at CF 10 or dense can cost more than the whole search saves.
+
+        A lower CF is predicted from the two nearest CFs above it. Dense differs: it pays no compression
+        cost, and an allgathered sparse payload costs more per element than a dense allreduce, so the
+        extrapolation overrates dense's time: dense is skipped only beyond ``_DENSE_MARGIN``, and only
+        when the two highest CFs timed show the link mattering at all (the higher one was faster). Where
+        the step time does not fall with the CF (a fast link, a compute-bound model) dense is timed.
         """
         s = self._s
-        above = [cf for cf in self._rungs[rung + 1:] if cf in s.rates and s.rates[cf][4] >= s.search_step][:2]
-        if len(above) < 2:
+        timed = [cf for cf in self._rungs[rung + 1:] if cf in s.rates and s.rates[cf][4] >= s.search_step]
+        if rung == 0 and s.step < s.dense_after:
+            return True  # dense lost clearly not long ago
+        if len(timed) < 2:
             return False
-        (a, b), ra, rb = above, s.rates[above[0]], s.rates[above[1]]
+        if rung == 0 and not s.rates[timed[-1]][2] < s.rates[timed[-2]][2]:
+            return False  # more compression did not make steps faster: dense may be the fastest
+        a, b = timed[:2]
+        ra, rb = s.rates[a], s.rates[b]
         slope = (ra[2] - rb[2]) / (1.0 / a - 1.0 / b)
         if not slope > 0.0:
             return False
         predicted = ra[2] + slope * (1.0 / self._rungs[rung] - 1.0 / a)
-        return ra[3] / predicted * (margin or _SKIP_MARGIN) * (1.0 + self._omega) < s.best_rate
+        margin = _DENSE_MARGIN if rung == 0 else _SKIP_MARGIN
+        return ra[3] / predicted * margin * (1.0 + self._omega) < s.best_rate
 
     def _note_gain_failure(self, cf: float) -> None:
         """A CF failed the gain test: if the search settles below it, try it again later."""
@@ -675,9 +717,16 @@ class GravacPolicy:
         s.trial = None
         s.settled = True
         s.floor = s.candidate = cf
-        s.ref_time = step_time
+        s.ref_time, s.ref_stale = step_time, True
         s.recent = []
         s.settled_gain_steps = 0
+        if s.drift_from is not None:
+            # Each drift re-open doubles the wait before the next one: on a noisy, shared machine false
+            # alarms (a passing load) then cost O(log steps) searches, and a real change of the link is
+            # still seen within about as many steps as the run has had since the previous one.
+            s.reopen_gap = max(DRIFT_MIN_STEPS, 2 * s.reopen_gap)
+            s.drift_from = None
+        s.reopen_at = s.step + s.reopen_gap
         # A higher CF timed in this search that lost only through its gain deficit (it would have won
         # on step time alone) may keep up once its residual has built: retry it too.
         best = s.rates[cf][0] if cf in s.rates else s.best_rate
@@ -848,6 +897,11 @@ class GravacPolicy:
             "best_rate": s.best_rate,
             "rates": [[cf, *r] for cf, r in sorted(s.rates.items())],
             "ref_time": s.ref_time,
+            "ref_stale": s.ref_stale,
+            "reopen_at": s.reopen_at,
+            "reopen_gap": s.reopen_gap,
+            "drift_from": s.drift_from,
+            "dense_after": s.dense_after,
             "recent": list(s.recent),
             "settled_gain_steps": s.settled_gain_steps,
             "retry_rung": s.retry_rung,
@@ -883,6 +937,11 @@ class GravacPolicy:
             best_rate=float(state["best_rate"]),
             rates={float(r[0]): [float(x) for x in r[1:]] for r in state["rates"]},
             ref_time=float(state["ref_time"]),
+            ref_stale=bool(state["ref_stale"]),
+            reopen_at=int(state["reopen_at"]),
+            reopen_gap=int(state["reopen_gap"]),
+            drift_from=None if state["drift_from"] is None else float(state["drift_from"]),
+            dense_after=int(state["dense_after"]),
             recent=[float(x) for x in state["recent"]],
             settled_gain_steps=int(state["settled_gain_steps"]),
             retry_rung=None if state["retry_rung"] is None else float(state["retry_rung"]),
@@ -904,8 +963,15 @@ class GravacPolicy:
             raise ValueError(f"GravacPolicy state: candidate {s.candidate!r} outside [1, cf_max={self._cf_max:g}]")
         if not (_is_real(s.scale) and s.scale >= 1.0):
             raise ValueError(f"GravacPolicy state: scale {s.scale!r} must be a finite number >= 1")
-        if min(s.step, s.window_step, s.windows) < 0:
+        if min(s.step, s.window_step, s.windows, s.reopen_at, s.reopen_gap, s.dense_after) < 0:
             raise ValueError("GravacPolicy state: negative step counters")
+        if self._search_kind == "ladder":
+            named = {"floor": s.floor, "candidate": s.candidate, "best": s.best, "retry": s.retry_rung,
+                     "drift_from": s.drift_from, "trial": None if s.trial is None else s.trial.cf}
+            for what, cf in named.items():
+                if cf is not None and cf not in self._rungs:
+                    raise ValueError(f"GravacPolicy state: {what} CF {cf!r} is not on this policy's ladder "
+                                     f"{list(self._rungs)}")
         for cf, g in s.gains.items():
             if not (_is_real(cf) and cf >= 1 and _finite_nonneg(g.value) and g.count >= 0):
                 raise ValueError(f"GravacPolicy state: bad gain entry {cf!r}: {g!r}")

@@ -223,8 +223,7 @@ class _SparseEngine(_CodecEngine):
         self.driver.count(sent, dense)
 
     def _skips_all(self) -> bool:
-        cur = self.driver.current
-        return cur.sent_cf <= 1 and not cur.probes
+        return self.driver.skips_all()
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm)
