@@ -11,6 +11,7 @@ import copy
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def job_decisions(steps: int) -> dict:
             "dqsgd_policy": dqsgd.state_dict()["driver"]["policy"], "synced": synced}
 
 
-def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int) -> dict:
+def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int, on_step: Any = None) -> dict:
     import torch.distributed as dist
 
     from benchmarks.digits import load_digits_split, make_model
@@ -160,6 +161,8 @@ def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int) -> dict:
             torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
             opt.step()
             steps += 1
+            if on_step is not None:
+                on_step()
     dist.barrier()
     wire = _lo_bytes() - wire0 if wire0 is not None else None
     with torch.no_grad():
@@ -342,15 +345,39 @@ def test_static_topk_digits_within_one_point_with_10x_fewer_bytes(digits_results
         assert r["dense"]["wire_bytes"] >= 10 * r["topk100"]["wire_bytes"], (r["dense"], r["topk100"])
 
 
-def test_defaults_digits_within_one_point_with_10x_fewer_bytes(digits_results):
+def test_defaults_digits_within_one_point(digits_results):
+    # On a fast link (loopback) the defaults may rightly stay dense, or compress: they decide by measured
+    # step time. Accuracy must hold either way; the bytes claim is checked on a slow link below.
     for r in digits_results:
         dense, ours = r["dense"], r["defaults"]
         assert ours["accuracy"] >= dense["accuracy"] - 0.01, (ours["accuracy"], dense["accuracy"])
-        if ours["stats"]["bytes_dense"] < 10 * ours["stats"]["bytes_sent"]:
-            ratio = ours["stats"]["bytes_dense"] / ours["stats"]["bytes_sent"]
-            pytest.xfail(f"pending issue 12 defaults: GraVAC's defaults sent {ratio:.1f}x fewer bytes than dense "
-                         f"(compression factor at the end {ours['stats']['compression_factor']}); accuracy is within "
-                         "a point")
+
+
+def job_digits_defaults(epochs: int, hidden: int) -> dict:
+    """Digits: DDP dense, then the hook with AdaptiveState() defaults."""
+    state = AdaptiveState()
+    trace: list[float] = []
+    return {"dense": _digits_run(None, epochs, hidden),
+            "defaults": _digits_run(state, epochs, hidden, on_step=lambda: trace.append(state.driver.current.sent_cf)),
+            "trace": trace}
+
+
+@pytest.mark.netem
+def test_defaults_compress_10x_within_a_point_on_a_slow_link():
+    """`AdaptiveState()` as the README shows it, two ranks sharing an emulated 100 Mbit/s medium (a shaped
+    namespace; root needed): compression pays there, so the defaults must find it."""
+    from benchmarks import netem
+
+    reason = netem.netem_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with netem.ShapedNamespace(rate="100mbit") as ns:
+        res = run_ddp(job_digits_defaults, args=(20, 512), timeout=540, prefix=ns.exec_prefix())
+    for r in res:
+        dense, ours = r["dense"], r["defaults"]
+        assert ours["accuracy"] >= dense["accuracy"] - 0.01, (ours["accuracy"], dense["accuracy"])
+        assert ours["stats"]["bytes_dense"] >= 10 * ours["stats"]["bytes_sent"], ours["stats"]
+    assert res[0]["trace"] == res[1]["trace"]  # every rank decided the same on every step
 
 
 def test_resumed_run_continues_the_same_schedule():
