@@ -536,13 +536,14 @@ def test_dense_is_timed_when_a_lower_cf_lost_only_to_its_compression_cost() -> N
 def test_start_cf_walks_up_first_then_down() -> None:
     policy = GravacPolicy(start_cf=100)
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 1.4 / cf)
-    assert sent(plans)[:10] == [100.0] * 5 + [1000.0] * 5 and policy.send_cf == 1000.0
+    # a walk up times a CF for WALK_UP_STEPS (12) observations: 13 steps with the one-step lag
+    assert sent(plans)[:18] == [100.0] * 5 + [1000.0] * 13 and policy.send_cf == 1000.0
     policy = GravacPolicy(start_cf=100)
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.2 + 0.014 / cf)
-    assert sent(plans)[:20] == [100.0] * 5 + [1000.0] * 5 + [10.0] * 5 + [1.0] * 5 and policy.send_cf == 1.0
+    assert sent(plans)[:28] == [100.0] * 5 + [1000.0] * 13 + [10.0] * 5 + [1.0] * 5 and policy.send_cf == 1.0
     policy = GravacPolicy(start_cf=40, cf_step=4)  # 10, 40, 160, 640, 1000: up while it pays by omega
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 0.14 / cf)
-    assert sent(plans)[:15] == [40.0] * 5 + [160.0] * 5 + [640.0] * 5 and policy.send_cf == 160.0
+    assert sent(plans)[:31] == [40.0] * 5 + [160.0] * 13 + [640.0] * 13 and policy.send_cf == 160.0
 
 
 def test_settled_plans_probe_only_the_cf_they_send() -> None:
@@ -565,7 +566,8 @@ def test_gain_failure_walks_down_and_retries_the_higher_cf_with_doubling_gaps() 
     assert cfs[:5] == [1000.0] * 5 and cfs[5] == 100.0
     assert len(trials) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:]))  # retried ever more rarely
     assert policy.settled and policy.send_cf == 1000.0  # taken once it keeps enough
-    assert sum(cf == 1000.0 for cf in cfs[:150]) <= 25  # little time at the failing CF
+    # little time at the failing CF: 5 steps, then retries of WALK_UP_STEPS (12, +1 of lag) at doubling gaps
+    assert sum(cf == 1000.0 for cf in cfs[:150]) <= 5 + 3 * 13
 
 
 def test_settled_cf_losing_its_gain_reopens_the_search_below_it() -> None:
@@ -581,7 +583,7 @@ def test_settled_cf_losing_its_gain_reopens_the_search_below_it() -> None:
     later = cfs[fallback:]
     retries = [n for cf, n in _runs(later) if cf == 100.0]
     assert 1.0 not in later and 1000.0 not in later
-    assert len(retries) <= 4 and all(n <= 5 for n in retries)  # 100 is only retried, in short windows
+    assert len(retries) <= 4 and all(n <= 13 for n in retries)  # 100 is only retried, in short walks up
     assert later.count(10.0) >= 0.8 * len(later)
 
 
@@ -610,25 +612,30 @@ def test_step_time_drift_reopens_the_search() -> None:
 
 
 def test_heavy_step_time_noise_costs_few_searches() -> None:
-    # A shared, busy machine: step times swing by a factor 2 in bursts (lognormal noise), far beyond
-    # the 25% drift allowance at times. False alarms must not keep the policy searching: each re-open
-    # that comes back where it began doubles the wait before the next one.
-    rng = random.Random(5)
-    burst = 1.0
-    noise = []
-    for _ in range(4000):
-        if rng.random() < 0.02:
-            burst = rng.choice([1.0, 1.0, 1.6, 2.0])
-        noise.append(burst * math.exp(rng.gauss(0.0, 0.3)))
-    def time(cf: float, t: int) -> float:
-        return (0.02 + 0.14 / cf) * noise[t]
+    # A shared, busy machine: step times swing by up to 2x in bursts of tens of steps (lognormal noise on
+    # top), far beyond the 25% drift allowance at times. False alarms must not keep the policy searching
+    # (each drift re-open doubles the wait before the next, and checks one neighbour only), and the
+    # run must stay close to the best fixed CF chosen in hindsight. Bursts can still mislead a trial
+    # (a CF measured in a burst looks slow), hence the allowance.
+    ratios = []
+    for seed in range(4):
+        rng = random.Random(seed)
+        burst = 1.0
+        noise = []
+        for _ in range(4000):
+            if rng.random() < 0.02:
+                burst = rng.choice([1.0, 1.0, 1.6, 2.0])
+            noise.append(burst * math.exp(rng.gauss(0.0, 0.3)))
 
-    policy = Ladder()
-    plans = drive_ladder(policy, 4000, time=time)
-    assert policy.summary()["searches"] <= 10, policy.summary()
-    total = sum(time(cf, t) for t, cf in enumerate(sent(plans)))
-    best_static = min(sum(time(cf, t) for t in range(4000)) for cf in (1.0, 10.0, 100.0, 1000.0))
-    assert total < 1.1 * best_static, (total, best_static)
+        def time(cf: float, t: int, noise: list[float] = noise) -> float:
+            return (0.02 + 0.14 / cf) * noise[t]
+
+        policy = Ladder()
+        plans = drive_ladder(policy, 4000, time=time)
+        assert policy.summary()["searches"] <= 10, policy.summary()
+        total = sum(time(cf, t) for t, cf in enumerate(sent(plans)))
+        ratios.append(total / min(sum(time(cf, t) for t in range(4000)) for cf in (1.0, 10.0, 100.0, 1000.0)))
+    assert max(ratios) < 1.2 and sum(ratios) / len(ratios) < 1.1, ratios
 
 
 def test_step_time_noise_within_the_drift_does_not_reopen() -> None:

@@ -57,6 +57,8 @@ AUTO_WINDOW_MIN = 4
 AUTO_WINDOW_MAX = 500
 #: Ladder search, settled: step-time drift is judged on the median of at least this many steps.
 DRIFT_MIN_STEPS = 20
+#: Ladder search: a walk up from a settled CF times each higher CF for at least this many steps.
+WALK_UP_STEPS = 12
 #: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
 _SKIP_MARGIN = 2.0
 #: ... dense when predicted this many times beyond it (the 1 / CF extrapolation overrates dense's time).
@@ -574,7 +576,7 @@ class GravacPolicy:
             terms = self._step_terms(stats, cf) if cf > _DENSE else None
             if terms is not None:
                 tr.terms.append([terms[0], terms[1]])
-            if len(tr.times) >= self.window_at(s.step - len(tr.times)) or self._losing(tr):
+            if len(tr.times) >= self._trial_length(s.step - len(tr.times)) or self._losing(tr):
                 s.windows += 1
                 self._judge(tr)
             return
@@ -601,9 +603,14 @@ class GravacPolicy:
                 s.ref_time, s.ref_stale = med, False
             elif s.step >= s.reopen_at and (med > s.ref_time * (1.0 + self._drift)
                                             or med * (1.0 + self._drift) < s.ref_time):
-                s.retry_rung = None  # the new search tries the CFs above again anyway
-                s.drift_from = s.floor
-                self._start_search(min(self._rungs.index(s.floor) + 1, len(self._rungs) - 1), -1)
+                self._drift_search(med, slower=med > s.ref_time)
+
+    def _trial_length(self, start: int) -> int:
+        """Steps a trial runs (unless it is clearly losing): a window; a walk up (a retry, or a check after
+        the step time drifted) at least ``WALK_UP_STEPS``: it must beat the settled CF by more than omega,
+        and a few steps' median on a busy machine can do that by chance (a higher CF loses information)."""
+        w = self.window_at(start)
+        return max(w, WALK_UP_STEPS) if self._s.direction > 0 and self._s.best is not None else w
 
     def _losing(self, tr: _Trial) -> bool:
         """True when the CF on trial is already far behind the best of the search: its median step time
@@ -615,6 +622,27 @@ class GravacPolicy:
             return False
         rate = tr.samples / len(tr.times) / _median(tr.times)
         return rate * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate
+
+    def _drift_search(self, med: float, slower: bool) -> None:
+        """The settled CF's step time moved: check the neighbour the change favours, walking on from it
+        while each next CF beats the settled one's current throughput (up: by more than omega; down:
+        within omega). Slower steps (the link or the load got worse) favour more compression, faster
+        steps less. A false alarm costs one short trial of a neighbour, not a whole search."""
+        s = self._s
+        cf = s.floor
+        i = self._rungs.index(cf)
+        g = s.gains.get(cf)
+        factor = 1.0 if cf == _DENSE or g is None else min(1.0, g.value)
+        per_step = s.rates[cf][3] if cf in s.rates else 1.0
+        rate = per_step / med * factor
+        s.drift_from = cf
+        nxt = i + 1 if slower else i - 1
+        if 0 <= nxt < len(self._rungs):
+            if slower:
+                s.retry_rung = None  # the walk up tries the CFs above anyway
+            self._start_search(nxt, +1 if slower else -1, best=cf, best_rate=rate)
+        else:  # nothing in that direction: the new step time is the reference
+            self._settle(cf, med)
 
     def _judge(self, tr: _Trial) -> None:
         """End of a trial window: keep walking, or settle on the best CF of this search."""
