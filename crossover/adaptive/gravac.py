@@ -618,10 +618,12 @@ class GravacPolicy:
         more than ``_SKIP_MARGIN`` times omega's allowance (its gain could only lower it further). A
         wrong rung then costs a few steps, not a whole window (a dense window on a slow link is long)."""
         s = self._s
-        if s.best is None or len(tr.times) < AUTO_WINDOW_MIN:
+        if s.best is None or len(tr.times) < 2:
             return False
         rate = tr.samples / len(tr.times) / _median(tr.times)
-        return rate * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate
+        # two steps suffice when it is more than twice that far behind (dense on a slow link)
+        margin = _SKIP_MARGIN * (1.0 if len(tr.times) >= AUTO_WINDOW_MIN else 2.0)
+        return rate * margin * (1.0 + self._omega) < s.best_rate
 
     def _drift_search(self, med: float, slower: bool) -> None:
         """The settled CF's step time moved: check the neighbour the change favours, walking on from it
@@ -721,6 +723,8 @@ class GravacPolicy:
         timed = [cf for cf in self._rungs[rung + 1:] if cf in s.rates and s.rates[cf][4] >= s.search_step]
         if rung == 0 and s.step < s.dense_after:
             return True  # dense lost clearly not long ago
+        if rung == 0 and len(timed) < 2:  # a short search (after a drift): the latest times of every CF
+            timed = [cf for cf in self._rungs[1:] if cf in s.rates]
         if len(timed) < 2:
             return False
         if rung == 0 and not s.rates[timed[-1]][2] < s.rates[timed[-2]][2]:
