@@ -546,6 +546,17 @@ def test_start_cf_walks_up_first_then_down() -> None:
     assert sent(plans)[:31] == [40.0] * 5 + [160.0] * 13 + [640.0] * 13 and policy.send_cf == 160.0
 
 
+def test_a_far_slower_dense_trial_ends_after_two_steps_and_waits_to_be_tried_again() -> None:
+    # CF 1000 is slower than CF 100 here (its selection costs more than it saves), so the top of the
+    # ladder says nothing about the link and dense is timed; it is 25x slower: two observations decide.
+    times = {1000.0: 0.03, 100.0: 0.02, 10.0: 0.025, 1.0: 0.5}
+    policy = Ladder()
+    plans = drive_ladder(policy, 300, time=lambda cf, t: times[cf])
+    cfs = sent(plans)
+    assert _runs(cfs)[:4] == [(1000.0, 5), (100.0, 5), (10.0, 5), (1.0, 3)]  # 2 observations + 1 of lag
+    assert cfs.count(1.0) == 3 and policy.send_cf == 100.0
+
+
 def test_settled_plans_probe_only_the_cf_they_send() -> None:
     policy = Ladder()
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 0.14 / cf)
