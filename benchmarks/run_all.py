@@ -174,8 +174,8 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         "ddp", "PyTorch DDP communication hooks at 1 Gbit/s, 2 emulated hosts",
         "The digits MLP (width 4: 4.3 M parameters) trained by PyTorch DDP with no hook (dense), PyTorch's "
         "fp16_compress_hook and powerSGD_hook (rank 1 and 4, one bucket, vanilla allreduce for the first 10 % "
-        "of the steps), crossover's adaptive_hook with AdaptiveState() defaults, with the demo's GraVAC settings "
-        "and with static top-k 100, and Horovod with AdaptiveCompression() defaults: same task, link, epochs and "
+        "of the steps), crossover's adaptive_hook with AdaptiveState() defaults and with static top-k 100, "
+        "and Horovod with AdaptiveCompression() defaults: same task, link, epochs and "
         "learning rate (SGD 0.2); the DDP methods train side by side in one job. "
         "Wire bytes are measured on the emulated links; the target is DDP dense's final accuracy, checked once "
         "per epoch (docs/ddp.md).",
@@ -260,7 +260,9 @@ def _show(argv: list[str]) -> list[str]:
 
 
 def _excerpt(text: str, limit: int = 60) -> str:
-    """The part of a benchmark's output worth printing in the report (its last lines, progress bars out)."""
+    """The part of a benchmark's output worth printing in the report (its last lines, progress bars out,
+    paths inside the repository shown relative to it: a report holds no path of the machine it ran on)."""
+    text = text.replace(str(REPO) + os.sep, "")
     lines = [ln for ln in text.rstrip().splitlines() if "\r" not in ln and "it/s]" not in ln]
     return "\n".join(lines[-limit:])
 

@@ -247,3 +247,11 @@ def test_compare_names_the_oracle_static_and_the_spread_of_repeats(tmp_path: Pat
     assert rows["gravac"]["time_vs_oracle"] == pytest.approx(7.5 / 6.0)
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "oracle static" in md and "(5.0-10.0, 2/2)" in md
+
+
+def test_report_excerpts_hold_no_path_of_this_machine() -> None:
+    from benchmarks import run_all
+
+    text = f"command: python -m x --out {run_all.REPO}/results/a\nresults in {run_all.REPO}/results/a\n"
+    shown = run_all._excerpt(text)
+    assert str(run_all.REPO) not in shown and "--out results/a" in shown and "results in results/a" in shown
