@@ -2,7 +2,8 @@
 
 Two Horovod ranks on two emulated hosts joined by 100 Mbit/s links (benchmarks.netem; needs root, skipped
 with the reason otherwise) train the digits MLP once dense and once with `AdaptiveCompression()` and no
-settings. The defaults decide by measured step time as well as by gain, so on loopback (where dense is
+settings, 30 epochs each (with 20, one run ended 0.02 points under the 1-point bound: 0.9639 against
+0.9641). The defaults decide by measured step time as well as by gain, so on loopback (where dense is
 about as fast as anything) they may rightly stay dense: the claim "at least 10x fewer bytes within a point
 of dense" is a claim about a slow link, and this is where it is checked. The ranks train on different
 shards (their gradients differ); every rank must take the same decision on every step.
@@ -29,10 +30,10 @@ WORKER = textwrap.dedent("""
     from benchmarks.digits import train_digits
     from crossover import AdaptiveCompression
 
-    dense = train_digits(None, epochs=20)
+    dense = train_digits(None, epochs=30)
     trace = []
     comp = AdaptiveCompression()
-    ours = train_digits(comp, epochs=20, on_step=lambda step, c: trace.append(c.stats()["compression_factor"]))
+    ours = train_digits(comp, epochs=30, on_step=lambda step, c: trace.append(c.stats()["compression_factor"]))
     keep = ("last3_accuracy", "seconds", "dense_bytes", "bytes_sent", "weights_checksum", "steps")
     print(json.dumps({{"rank": hvd.rank(), "dense": {{k: dense[k] for k in keep}},
                       "ours": {{k: ours[k] for k in keep}}, "trace": trace,
@@ -62,4 +63,5 @@ def test_defaults_compress_10x_within_a_point_on_a_slow_link(tmp_path: Path) -> 
     assert reps[0]["ours"]["weights_checksum"] == reps[1]["ours"]["weights_checksum"]
     print(f"digits MLP, 2 hosts at 100 Mbit/s: dense {reps[0]['dense']['seconds']:.1f} s, "
           f"AdaptiveCompression() {reps[0]['ours']['seconds']:.1f} s, "
-          f"{reps[0]['ours']['dense_bytes'] / reps[0]['ours']['bytes_sent']:.1f}x fewer bytes")
+          f"{reps[0]['ours']['dense_bytes'] / reps[0]['ours']['bytes_sent']:.1f}x fewer bytes, accuracy "
+          f"{reps[0]['ours']['last3_accuracy']:.4f} against {reps[0]['dense']['last3_accuracy']:.4f}")
