@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from hvd_harness import read_rank_results
+
 RESULT_DIR_ENV = "CROSSOVER_RESULT_DIR"
 WORKER = Path(__file__).with_name("ddp_worker.py")
 REPO = Path(__file__).resolve().parent.parent
@@ -90,10 +92,4 @@ def run_ddp(fn: Callable[..., Any], world: int = 2, args: Sequence[Any] = (), ti
             why = "failed"
         if why is not None:
             raise DdpJobError(f"torch.distributed job {why}.\ncommand: {' '.join(cmd)}\n{text}")
-        results = []
-        for rank in range(world):
-            path = Path(tmp) / f"rank{rank}.json"
-            if not path.exists():
-                raise DdpJobError(f"rank {rank} reported no result.\n{text}")
-            results.append(json.loads(path.read_text()))
-        return results
+        return read_rank_results(tmp, world, DdpJobError, text)

@@ -60,11 +60,16 @@ def _run(cmd: Sequence[str], np: int, timeout: float, env: dict[str, str] | None
     if res.returncode != 0:
         raise HorovodJobError(f"Horovod job failed with exit code {res.returncode}.\n"
                               f"command: {' '.join(launch)}\n--- output of all ranks ---\n{output}")
+    return read_rank_results(result_dir, np, HorovodJobError, f"--- output ---\n{output}")
+
+
+def read_rank_results(folder: str, world: int, error: type[Exception], output: str) -> list[Any]:
+    """Each rank's `rank<r>.json` in `folder`, in rank order; `error(... output)` for a rank that wrote none."""
     results = []
-    for rank in range(np):
-        path = Path(result_dir) / f"rank{rank}.json"
+    for rank in range(world):
+        path = Path(folder) / f"rank{rank}.json"
         if not path.exists():
-            raise HorovodJobError(f"rank {rank} reported no result.\n--- output ---\n{output}")
+            raise error(f"rank {rank} reported no result.\n{output}")
         results.append(json.loads(path.read_text()))
     return results
 

@@ -360,7 +360,7 @@ class SparseStepDriver:
         plan = self.policy.plan()
         self.current = StepRecord(step=self.step, sent_cf=float(plan.send_cf),
                                   probes=tuple(float(p) for p in plan.probe_cfs),
-                                  measure=bool(getattr(plan, "measure", False)))
+                                  measure=plan.measure)
         return self.current
 
     def skips_all(self) -> bool:

@@ -636,10 +636,7 @@ class GravacPolicy:
         s = self._s
         cf = s.floor
         i = self._rungs.index(cf)
-        g = s.gains.get(cf)
-        factor = 1.0 if cf == _DENSE or g is None else min(1.0, g.value)
-        per_step = s.rates[cf][3] if cf in s.rates else 1.0
-        rate = per_step / med * factor
+        rate = self._rate_now(cf, med)
         s.drift_from = cf
         nxt = i + 1 if slower else i - 1
         if 0 <= nxt < len(self._rungs):
@@ -776,16 +773,23 @@ class GravacPolicy:
             s.retry_gap = max(2 * self.window_at(s.step), 2 * s.retry_gap, s.step // 2)
             s.retry_at = s.step + s.retry_gap
 
+    def _rate_now(self, cf: float, step_time: float) -> float:
+        """Compression throughput of the settled CF at ``step_time``: samples per step (from its trial; 1 if
+        never tried) / step time x its smoothed gain (1 for dense or while unmeasured)."""
+        s = self._s
+        g = s.gains.get(cf)
+        factor = 1.0 if cf == _DENSE or g is None else min(1.0, g.value)
+        per_step = s.rates[cf][3] if cf in s.rates else 1.0
+        return per_step / step_time * factor
+
     def _retry(self) -> None:
         """Try the CF above the settled one again (it failed the gain test before), walking up."""
         s = self._s
         cf = s.floor
         i = self._rungs.index(cf)
         rate = s.rates[cf][0] if cf in s.rates else 0.0
-        if cf in s.rates and s.recent:  # the settled CF's rate now, from its recent step times and gain
-            g = s.gains.get(cf)
-            factor = 1.0 if cf == _DENSE or g is None else min(1.0, g.value)
-            rate = s.rates[cf][3] / _median(s.recent) * factor
+        if cf in s.rates and s.recent:
+            rate = self._rate_now(cf, _median(s.recent))
         s.retry_rung = None
         if i + 1 < len(self._rungs):
             self._start_search(i + 1, +1, best=cf, best_rate=rate)

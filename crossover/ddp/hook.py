@@ -113,7 +113,10 @@ class _Engine:
 
 
 class _CodecEngine(_Engine):
-    """What the sparse and the quantizing engines share: pass-through, keys, reduction, deferred statistics."""
+    """What the sparse and the quantizing engines share: pass-through, keys, reduction, deferred statistics,
+    and the state of their `driver` (a SparseStepDriver or QuantStepDriver the subclass sets)."""
+
+    driver: Any
 
     def __init__(self, group: Any, *, min_compress_numel: int, memory: Any) -> None:
         super().__init__(group)
@@ -129,7 +132,7 @@ class _CodecEngine(_Engine):
         raise NotImplementedError
 
     def _count(self, sent: int, dense: int) -> None:
-        raise NotImplementedError
+        self.driver.count(sent, dense)
 
     def _skips_all(self) -> bool:
         return False
@@ -183,9 +186,24 @@ class _CodecEngine(_Engine):
 
         return fut.then(finish)
 
+    # ------------------------------------------------------------------ state (the subclass's `driver`)
+    def stats(self) -> dict[str, Any]:
+        return self.driver.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._reduced.clear()
+        self.driver.load_state_dict(state["driver"])
+        if "residuals" in state:
+            self.layouts.load(state["residuals"])
+
     def reset(self) -> None:
         self._reduced.clear()
         self.layouts.reset()
+        self.driver.reset()
 
     @property
     def bucket_rebuilds(self) -> int:
@@ -219,9 +237,6 @@ class _SparseEngine(_CodecEngine):
     def _feed(self, reduced: Any, world: int) -> None:
         self.driver.add_reduced(reduced, world)
 
-    def _count(self, sent: int, dense: int) -> None:
-        self.driver.count(sent, dense)
-
     def _skips_all(self) -> bool:
         return self.driver.skips_all()
 
@@ -232,23 +247,9 @@ class _SparseEngine(_CodecEngine):
         out, stats = self.codec.decode(reduced, ctx, self.comm)
         return out, stats.tolist()
 
-    def stats(self) -> dict[str, Any]:
-        return self.driver.stats()
-
-    def state_dict(self) -> dict[str, Any]:
-        self.flush()
-        return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._reduced.clear()
-        self.driver.load_state_dict(state["driver"])
+        super().load_state_dict(state)
         self.codec.seed = self.driver.seed
-        if "residuals" in state:
-            self.layouts.load(state["residuals"])
-
-    def reset(self) -> None:
-        super().reset()
-        self.driver.reset()
 
 
 class _QuantEngine(_CodecEngine):
@@ -271,9 +272,6 @@ class _QuantEngine(_CodecEngine):
         one, sq = reduced
         self.driver.add_reduced_sq(one, sq, world)
 
-    def _count(self, sent: int, dense: int) -> None:
-        self.driver.count(sent, dense)
-
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         self.driver.add_tensor(buf.numel())
         return self.codec.encode(key, buf, self.driver.bits, self.driver.step, self.comm)
@@ -281,22 +279,6 @@ class _QuantEngine(_CodecEngine):
     def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
         return self.codec.decode(reduced, ctx, self.comm)
 
-    def stats(self) -> dict[str, Any]:
-        return self.driver.stats()
-
-    def state_dict(self) -> dict[str, Any]:
-        self.flush()
-        return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._reduced.clear()
-        self.driver.load_state_dict(state["driver"])
-        if "residuals" in state:
-            self.layouts.load(state["residuals"])
-
-    def reset(self) -> None:
-        super().reset()
-        self.driver.reset()
 
 
 def _no_optimizer() -> float:
