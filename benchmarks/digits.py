@@ -89,5 +89,5 @@ def paper_search_compression() -> Any:
     test trains with: it decides on gains alone, so it compresses on any link (loopback included)."""
     from crossover import AdaptiveCompression
 
-    return AdaptiveCompression("topk", search="paper", gain="norm", cf_min=30, epsilon=0.15, window=100,
-                               min_compress_numel=4096)
+    return AdaptiveCompression("topk", search="paper", gain="norm", cf_min=30, cf_max=1000, epsilon=0.15,
+                               window=100, min_compress_numel=4096)

@@ -279,7 +279,7 @@ class GravacPolicy:
         self,
         *,
         cf_min: float = 10.0,
-        cf_max: float = 1000.0,
+        cf_max: float = 100.0,
         epsilon: float = 0.5,
         omega: float = 0.2,
         window: Window = _AUTO,
@@ -630,9 +630,11 @@ class GravacPolicy:
 
     def _drift_search(self, med: float, slower: bool) -> None:
         """The settled CF's step time moved: check the neighbour the change favours, walking on from it
-        while each next CF beats the settled one's current throughput (up: by more than omega; down:
-        within omega). Slower steps (the link or the load got worse) favour more compression, faster
-        steps less. A false alarm costs one short trial of a neighbour, not a whole search."""
+        while each next CF beats the settled one's current throughput (up: by more than omega; down: at
+        all, not merely within omega as in a first search: a few fast steps of a noisy machine then
+        cannot walk the run down to a CF that is slower in fact). Slower steps (the link or the load got
+        worse) favour more compression, faster steps less. A false alarm costs one short trial of a
+        neighbour, not a whole search."""
         s = self._s
         cf = s.floor
         i = self._rungs.index(cf)
@@ -642,7 +644,8 @@ class GravacPolicy:
         if 0 <= nxt < len(self._rungs):
             if slower:
                 s.retry_rung = None  # the walk up tries the CFs above anyway
-            self._start_search(nxt, +1 if slower else -1, best=cf, best_rate=rate)
+            self._start_search(nxt, +1 if slower else -1, best=cf,
+                               best_rate=rate if slower else rate * (1.0 + self._omega))
         else:  # nothing in that direction: the new step time is the reference
             self._settle(cf, med)
 
@@ -715,9 +718,11 @@ class GravacPolicy:
 
         A lower CF is predicted from the two nearest CFs above it. Dense differs: it pays no compression
         cost, and an allgathered sparse payload costs more per element than a dense allreduce, so the
-        extrapolation overrates dense's time: dense is skipped only beyond ``_DENSE_MARGIN``, and only
-        when the two highest CFs timed show the link mattering at all (the higher one was faster). Where
-        the step time does not fall with the CF (a fast link, a compute-bound model) dense is timed.
+        extrapolation overrates dense's time: dense is skipped only beyond ``_DENSE_MARGIN``. Where the
+        step time does not fall with the CF (a fast link, a compute-bound model) the slope is about zero
+        and dense is timed. (Judging the link by the two *highest* CFs instead, as before, timed dense on
+        every drift check at 100 Mbit/s: CF 1000 was no faster than CF 100 there, yet dense was 12x
+        slower than CF 100, as CF 10 vs CF 100 predicts.)
         """
         s = self._s
         timed = [cf for cf in self._rungs[rung + 1:] if cf in s.rates and s.rates[cf][4] >= s.search_step]
@@ -727,8 +732,6 @@ class GravacPolicy:
             timed = [cf for cf in self._rungs[1:] if cf in s.rates]
         if len(timed) < 2:
             return False
-        if rung == 0 and not s.rates[timed[-1]][2] < s.rates[timed[-2]][2]:
-            return False  # more compression did not make steps faster: dense may be the fastest
         a, b = timed[:2]
         ra, rb = s.rates[a], s.rates[b]
         slope = (ra[2] - rb[2]) / (1.0 / a - 1.0 / b)
