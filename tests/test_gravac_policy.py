@@ -500,8 +500,9 @@ def test_default_prefers_the_lower_cf_when_higher_ones_buy_less_than_omega() -> 
     policy = Ladder()
     plans = drive_ladder(policy, 300, time=lambda cf, t: 0.02 + 0.14 / cf)
     assert policy.settled and policy.send_cf == 100.0
-    assert sent(plans)[:15] == [1000.0] * 5 + [100.0] * 5 + [10.0] * 5  # windows of 4 observations, lag 1
-    assert sent(plans)[15:] == [100.0] * 285
+    # windows of 4 timed observations, 1 untimed after the switch (3 in the run's first), lag 1
+    assert sent(plans)[:20] == [1000.0] * 8 + [100.0] * 6 + [10.0] * 6
+    assert sent(plans)[20:] == [100.0] * 280
     assert policy.summary()["settled_reason"] == "time"
 
 
@@ -517,7 +518,7 @@ def test_default_stays_dense_when_compression_cannot_pay(time: TimeFn) -> None:
     plans = drive_ladder(policy, 400, time=lambda cf, t: time(cf))
     assert policy.settled and policy.send_cf == 1.0
     cfs = sent(plans)
-    assert cfs.index(1.0) <= 16  # one short window per rung of the ladder, then dense
+    assert cfs.index(1.0) <= 20  # one short window per rung of the ladder, then dense
     assert cfs[20:] == [1.0] * 380
     assert all(p.probe_cfs == () for p in plans[20:])  # settled dense: nothing probed, no compression cost
 
@@ -528,7 +529,7 @@ def test_dense_is_timed_when_a_lower_cf_lost_only_to_its_compression_cost() -> N
     times = {1000.0: 0.094, 100.0: 0.095, 10.0: 0.110, 1.0: 0.100}
     policy = GravacPolicy()
     plans = drive_ladder(policy, 100, time=lambda cf, t: times[cf])
-    assert sent(plans)[:15] == [100.0] * 5 + [10.0] * 5 + [1.0] * 5  # the default ladder: 100, 10, dense
+    assert sent(plans)[:20] == [100.0] * 8 + [10.0] * 6 + [1.0] * 6  # the default ladder: 100, 10, dense
     assert policy.settled and policy.send_cf == 1.0
     # The same CFs on a slow link: dense, predicted far out of reach from CF 10 and 100, is never tried.
     slow = GravacPolicy()
@@ -539,14 +540,15 @@ def test_dense_is_timed_when_a_lower_cf_lost_only_to_its_compression_cost() -> N
 def test_start_cf_walks_up_first_then_down() -> None:
     policy = Ladder(start_cf=100)
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 1.4 / cf)
-    # a walk up times a CF for WALK_UP_STEPS (12) observations: 13 steps with the one-step lag
-    assert sent(plans)[:18] == [100.0] * 5 + [1000.0] * 13 and policy.send_cf == 1000.0
+    # a walk up times a CF for WALK_UP_STEPS (12) observations: 14 steps with the untimed switch step
+    # and the one-step lag
+    assert sent(plans)[:22] == [100.0] * 8 + [1000.0] * 14 and policy.send_cf == 1000.0
     policy = Ladder(start_cf=100)
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.2 + 0.014 / cf)
-    assert sent(plans)[:28] == [100.0] * 5 + [1000.0] * 13 + [10.0] * 5 + [1.0] * 5 and policy.send_cf == 1.0
+    assert sent(plans)[:34] == [100.0] * 8 + [1000.0] * 14 + [10.0] * 6 + [1.0] * 6 and policy.send_cf == 1.0
     policy = Ladder(start_cf=40, cf_step=4)  # 10, 40, 160, 640, 1000: up while it pays by omega
     plans = drive_ladder(policy, 100, time=lambda cf, t: 0.02 + 0.14 / cf)
-    assert sent(plans)[:31] == [40.0] * 5 + [160.0] * 13 + [640.0] * 13 and policy.send_cf == 160.0
+    assert sent(plans)[:36] == [40.0] * 8 + [160.0] * 14 + [640.0] * 14 and policy.send_cf == 160.0
 
 
 def test_default_omega_keeps_cf_100_when_cf_1000_is_only_a_little_faster() -> None:
@@ -597,8 +599,9 @@ def test_a_far_slower_dense_trial_ends_after_two_steps_and_waits_to_be_tried_aga
     policy = Ladder()
     plans = drive_ladder(policy, 300, time=lambda cf, t: times[cf])
     cfs = sent(plans)
-    assert _runs(cfs)[:4] == [(1000.0, 5), (100.0, 5), (10.0, 5), (1.0, 3)]  # 2 observations + 1 of lag
-    assert cfs.count(1.0) == 3 and policy.send_cf == 100.0
+    # 2 timed observations + 1 untimed (the switch) + 1 of lag
+    assert _runs(cfs)[:4] == [(1000.0, 8), (100.0, 6), (10.0, 6), (1.0, 4)]
+    assert cfs.count(1.0) == 4 and policy.send_cf == 100.0
 
 
 def test_settled_plans_probe_only_the_cf_they_send() -> None:
@@ -618,11 +621,12 @@ def test_gain_failure_walks_down_and_retries_the_higher_cf_with_doubling_gaps() 
     cfs = sent(plans)
     trials = [t for t in range(1, len(cfs)) if cfs[t] == 1000.0 and cfs[t - 1] != 1000.0]
     gaps = [b - a for a, b in zip(trials, trials[1:])]
-    assert cfs[:5] == [1000.0] * 5 and cfs[5] == 100.0
+    assert cfs[:8] == [1000.0] * 8 and cfs[8] == 100.0
     assert len(trials) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:]))  # retried ever more rarely
     assert policy.settled and policy.send_cf == 1000.0  # taken once it keeps enough
-    # little time at the failing CF: 5 steps, then retries of WALK_UP_STEPS (12, +1 of lag) at doubling gaps
-    assert sum(cf == 1000.0 for cf in cfs[:150]) <= 5 + 3 * 13
+    # little time at the failing CF: 8 steps, then retries of WALK_UP_STEPS (12, +1 untimed, +1 of lag) at
+    # doubling gaps
+    assert sum(cf == 1000.0 for cf in cfs[:150]) <= 8 + 3 * 14
 
 
 def test_settled_cf_losing_its_gain_reopens_the_search_below_it() -> None:
@@ -638,7 +642,7 @@ def test_settled_cf_losing_its_gain_reopens_the_search_below_it() -> None:
     later = cfs[fallback:]
     retries = [n for cf, n in _runs(later) if cf == 100.0]
     assert 1.0 not in later and 1000.0 not in later
-    assert len(retries) <= 4 and all(n <= 13 for n in retries)  # 100 is only retried, in short walks up
+    assert len(retries) <= 4 and all(n <= 14 for n in retries)  # 100 is only retried, in short walks up
     assert later.count(10.0) >= 0.8 * len(later)
 
 
@@ -699,7 +703,8 @@ def test_step_time_noise_within_the_drift_does_not_reopen() -> None:
     policy = Ladder()
     plans = drive_ladder(policy, 2000, time=lambda cf, t: (0.02 + 0.14 / cf) * jitter[t])
     assert policy.summary()["searches"] == 1
-    assert sent(plans)[20:] == [100.0] * 1980
+    cfs = sent(plans)
+    assert len(set(cfs[20:])) == 1  # one CF after the first search (CF 100 and 1000 are within the jitter)
 
 
 def test_ladder_warmup_sends_dense_without_probing() -> None:

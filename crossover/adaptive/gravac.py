@@ -59,6 +59,13 @@ AUTO_WINDOW_MAX = 500
 DRIFT_MIN_STEPS = 20
 #: Ladder search: a walk up from a settled CF times each higher CF for at least this many steps.
 WALK_UP_STEPS = 12
+#: Ladder search: observations at the start of a trial that are not timed. A CF switch changes the
+#: payload's shapes, and its first step renegotiates the collectives (often 1.2x to 1.5x a later step).
+SWITCH_SKIP = 1
+#: ... at the start of a run's first trial: the process's own warm-up (memory, first negotiations). Seen on
+#: 4 ranks sharing 2 cores: 1.06 s, 0.30 s, 0.37 s, then 0.10 s; its median made CF 100 look as slow as CF
+#: 10, and the run settled on CF 10 (2x slower steps).
+FIRST_TRIAL_SKIP = 3
 #: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
 _SKIP_MARGIN = 2.0
 #: ... dense when predicted this many times beyond it (the 1 / CF extrapolation overrates dense's time).
@@ -579,7 +586,8 @@ class GravacPolicy:
             terms = self._step_terms(stats, cf) if cf > _DENSE else None
             if terms is not None:
                 tr.terms.append([terms[0], terms[1]])
-            if len(tr.times) >= self._trial_length(s.step - len(tr.times)) or self._losing(tr):
+            timed = len(tr.times) - self._skip()
+            if timed >= self._trial_length(s.step - len(tr.times)) or self._losing(tr):
                 s.windows += 1
                 self._judge(tr)
             return
@@ -608,6 +616,15 @@ class GravacPolicy:
                                             or med * (1.0 + self._drift) < s.ref_time):
                 self._drift_search(med, slower=med > s.ref_time)
 
+    def _skip(self) -> int:
+        """Observations at the start of the current trial that its timing leaves out (``SWITCH_SKIP``,
+        ``FIRST_TRIAL_SKIP`` for the run's first trial: no trial judged yet)."""
+        return FIRST_TRIAL_SKIP if self._s.windows == 0 else SWITCH_SKIP
+
+    def _timed(self, tr: _Trial) -> list[float]:
+        """The trial's step times that count."""
+        return tr.times[self._skip():]
+
     def _trial_length(self, start: int) -> int:
         """Steps a trial runs (unless it is clearly losing): a window; a walk up (a retry, or a check after
         the step time drifted) at least ``WALK_UP_STEPS``: it must beat the settled CF by more than omega,
@@ -621,11 +638,12 @@ class GravacPolicy:
         more than ``_SKIP_MARGIN`` times omega's allowance (its gain could only lower it further). A
         wrong rung then costs a few steps, not a whole window (a dense window on a slow link is long)."""
         s = self._s
-        if s.best is None or len(tr.times) < 2:
+        times = self._timed(tr)
+        if s.best is None or len(times) < 2:
             return False
-        rate = tr.samples / len(tr.times) / _median(tr.times)
+        rate = tr.samples / len(tr.times) / _median(times)
         # two steps suffice when it is more than twice that far behind (dense on a slow link)
-        margin = _SKIP_MARGIN * (1.0 if len(tr.times) >= AUTO_WINDOW_MIN else 2.0)
+        margin = _SKIP_MARGIN * (1.0 if len(times) >= AUTO_WINDOW_MIN else 2.0)
         return rate * margin * (1.0 + self._omega) < s.best_rate
 
     def _drift_search(self, med: float, slower: bool) -> None:
@@ -652,7 +670,7 @@ class GravacPolicy:
     def _judge(self, tr: _Trial) -> None:
         """End of a trial window: keep walking, or settle on the best CF of this search."""
         s = self._s
-        step_time = _median(tr.times)
+        step_time = _median(self._timed(tr))
         per_step = tr.samples / len(tr.times)
         terms = tr.gain_terms() if tr.cf > _DENSE else None
         gain = self._ratio(*terms) if terms is not None else None
