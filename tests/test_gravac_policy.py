@@ -757,3 +757,18 @@ def test_ladder_summary_is_json_serialisable() -> None:
     assert summary["search"] == "ladder" and summary["settled"] and summary["send_cf"] == 100.0
     assert summary["settled_reason"] == "time" and summary["trial_cf"] is None
     assert set(policy.throughput) == {10.0, 100.0, 1000.0}
+
+
+def test_false_drift_alarms_downward_are_short_and_ever_rarer() -> None:
+    # 100 Mbit/s-like (CF 10 three times slower than CF 100) with load that comes and goes: every other
+    # 40 steps all steps are 40 % faster, which looks like a faster link to the drift check. Each check
+    # of CF 10 ends after 2 timed steps (+1 untimed, +1 of lag), and each false alarm quadruples the wait.
+    def time(cf: float, t: int) -> float:
+        return {100.0: 0.008, 10.0: 0.024, 1.0: 0.1}[cf] * (0.6 if (t // 40) % 2 else 1.0)
+
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 2000, time=time)
+    checks = [(cf, n) for cf, n in _runs(sent(plans)[20:]) if cf != 100.0]
+    assert checks and all(c == (10.0, 4) for c in checks)
+    assert len(checks) <= 4  # waits of 20, 80, 320, 1280 steps
+    assert policy.send_cf == 100.0

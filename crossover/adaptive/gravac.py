@@ -57,6 +57,9 @@ AUTO_WINDOW_MIN = 4
 AUTO_WINDOW_MAX = 500
 #: Ladder search, settled: step-time drift is judged on the median of at least this many steps.
 DRIFT_MIN_STEPS = 20
+#: Ladder search: a drift re-open that settles back on the CF it left multiplies the wait before the next
+#: one by this (one that moves doubles it).
+FALSE_ALARM_GROWTH = 4
 #: Ladder search: a walk up from a settled CF times each higher CF for at least this many steps.
 WALK_UP_STEPS = 12
 #: Ladder search: observations at the start of a trial that are not timed. A CF switch changes the
@@ -222,7 +225,7 @@ class _State:
     ref_time: float = 0.0  # step time of the settled CF: its trial's, then its first full drift window's
     ref_stale: bool = False  # ref_time still comes from the trial (re-based on the first drift window)
     reopen_at: int = 0  # no drift re-open before this step
-    reopen_gap: int = 0  # wait after settling before a drift re-open; doubles with every drift re-open
+    reopen_gap: int = 0  # wait after settling before a drift re-open; grows with every drift re-open
     drift_from: float | None = None  # the settled CF a drift re-open left (None: not a drift search)
     dense_after: int = 0  # dense is not timed again before this step (it lost clearly last time)
     recent: list[float] = field(default_factory=list)  # step times of the settled CF, newest last
@@ -642,6 +645,10 @@ class GravacPolicy:
         if s.best is None or len(times) < 2:
             return False
         rate = tr.samples / len(tr.times) / _median(times)
+        if s.drift_from is not None and s.direction < 0:
+            # A drift check downward must find a CF at least as fast as the settled one is now (best_rate
+            # is that throughput x (1 + omega)): two steps slower by more than omega end it.
+            return rate * (1.0 + self._omega) ** 2 < s.best_rate
         # two steps suffice when it is more than twice that far behind (dense on a slow link)
         margin = _SKIP_MARGIN * (1.0 if len(times) >= AUTO_WINDOW_MIN else 2.0)
         return rate * margin * (1.0 + self._omega) < s.best_rate
@@ -774,10 +781,13 @@ class GravacPolicy:
         s.recent = []
         s.settled_gain_steps = 0
         if s.drift_from is not None:
-            # Each drift re-open doubles the wait before the next one: on a noisy, shared machine false
-            # alarms (a passing load) then cost O(log steps) searches, and a real change of the link is
-            # still seen within about as many steps as the run has had since the previous one.
-            s.reopen_gap = max(DRIFT_MIN_STEPS, 2 * s.reopen_gap)
+            # Each drift re-open doubles the wait before the next one, a false alarm (back where it
+            # started) quadruples it: on a noisy, shared machine 20-step medians of a fixed CF move by
+            # more than 25 % in 15 % to 60 % of windows (benchmarks, 2 cores), so false alarms must cost
+            # O(log steps) searches; a real change of the link is still seen within a few times as many
+            # steps as the run has had since the previous one.
+            grow = FALSE_ALARM_GROWTH if cf == s.drift_from else 2
+            s.reopen_gap = max(DRIFT_MIN_STEPS, grow * s.reopen_gap)
             s.drift_from = None
         s.reopen_at = s.step + s.reopen_gap
         # A higher CF timed in this search that lost only through its gain deficit (it would have won
