@@ -291,7 +291,7 @@ class GravacPolicy:
         cf_min: float = 10.0,
         cf_max: float = 100.0,
         epsilon: float = 0.5,
-        omega: float = 0.2,
+        omega: float = 0.1,
         window: Window = _AUTO,
         scaling: str = "exponential",
         warmup_steps: int = 0,
