@@ -79,7 +79,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                                                  "--width", "0.25", "--num-classes", "10", "--batch-size", "32",
                                                  "--lr", "0.01", *synth, "--synthetic-noise", "0.5",
                                                  "--eval-samples", "512"), 2, "1gbit",
-                short or ("--epochs", "1", "--max-steps", "120"), 10),
+                short or ("--epochs", "1", "--max-steps", "120"), 5, repeats=1 if quick else 2),
         TtaTask("tta-resnet18", "ResNet-18 (CIFAR shape, quarter width), synthetic images (noise 0.5), 2 emulated "
                 "hosts at 1 Gbit/s: compute-bound here, compression cannot pay",
                 ("--model", "resnet18", "--dataset", "cifar10", "--width", "0.25", *synth, "--synthetic-noise", "0.5",
