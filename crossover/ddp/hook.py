@@ -280,7 +280,6 @@ class _QuantEngine(_CodecEngine):
         return self.codec.decode(reduced, ctx, self.comm)
 
 
-
 def _no_optimizer() -> float:
     raise RuntimeError("DQ-SGD in a DDP hook needs lr= (a number or a callable step -> lr)")
 
