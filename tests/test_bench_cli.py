@@ -255,3 +255,37 @@ def test_report_excerpts_hold_no_path_of_this_machine() -> None:
     text = f"command: python -m x --out {run_all.REPO}/results/a\nresults in {run_all.REPO}/results/a\n"
     shown = run_all._excerpt(text)
     assert str(run_all.REPO) not in shown and "--out results/a" in shown and "results in results/a" in shown
+
+
+def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
+    """`--merge` measures only the selected sections again; the report holds every section, each with the
+    run that measured it; the earlier outputs of the other sections are kept byte for byte."""
+    from benchmarks import run_all
+
+    stamp = [sys.executable, "-c", "import time; print('measured', time.time_ns())"]
+
+    def fake_sections(out: Path, *_: object) -> list:
+        return [run_all.Section(k, f"section {k}", f"about {k}", [run_all.Run(list(stamp))]) for k in ("a", "b")]
+
+    monkeypatch.setattr(run_all, "sections", fake_sections)
+    monkeypatch.setattr(run_all, "image_dir", lambda report: tmp_path / "img")
+    out, report_md = tmp_path / "out", tmp_path / "report.md"
+    common = ["--out", str(out), "--report", str(report_md)]
+    with pytest.raises(SystemExit):  # nothing to merge into yet: a clear error, nothing run
+        run_all.main([*common, "--merge", "--only", "b"])
+    assert not out.exists()
+    assert run_all.main(common) == 0
+    first = {k: (out / "logs" / f"{k}-0.log").read_text() for k in ("a", "b")}
+    assert run_all.main([*common, "--merge", "--only", "b"]) == 0
+    assert (out / "logs" / "a-0.log").read_text() == first["a"]
+    second_b = (out / "logs" / "b-0.log").read_text()
+    assert second_b != first["b"]
+    text = report_md.read_text()
+    assert "## section a" in text and "## section b" in text
+    assert first["a"].strip() in text and second_b.strip() in text and first["b"].strip() not in text
+    assert "- run 1: `python -m benchmarks.run_all --out" in text and "; sections a\n" in text
+    assert "- run 2: " in text and "--merge --only b`" in text and "; sections b\n" in text
+    assert "(run 1)." not in text and "run 2)." in text and "run 1)." in text
+    status = json.loads((out / "status.json").read_text())
+    assert [r["sections"] for r in status["runs"]] == [["a"], ["b"]]
+    assert run_all.main([*common, "--report-only"]) == 0 and report_md.read_text().count("## section") == 2
