@@ -259,3 +259,23 @@ def test_simulated_allgather_refuses_an_incomplete_round():
     h = group.rank_view(0).allgather_async(torch.ones(3), "x")
     with pytest.raises(RuntimeError, match="would hang"):
         group.rank_view(0).wait(h)
+
+
+@pytest.mark.parametrize("compressor", ["topk", "randomk"])
+def test_gain_reads_the_raw_gradient_norm_apart_from_the_residual(compressor):
+    """GraVAC's delivered gain divides by ||g||^2 of the raw gradient, not of g + residual: top-k reads it
+    in its selection pass (fused into the C kernel), random-k in a pass of its own; both must agree with
+    the definition, summed over ranks, on a step where the residuals are not zero."""
+    world, n = 2, 40_000
+    group = SimulatedGroup(world)
+    ranks = [SimRank(group, r, StaticPolicy(cf=100.0), compressor) for r in range(world)]
+    _step(ranks, _grads(world, 0, {"w": n}))  # leaves residuals
+    grads = _grads(world, 1, {"w": n})
+    raw = sum(float(g["w"].double().pow(2).sum()) for g in grads)
+    acc = sum(float((g["w"] + r.codec.memory.residual("w", g["w"])).double().pow(2).sum())
+              for r, g in zip(ranks, grads))
+    assert acc > raw * 1.01  # the residuals are not negligible: the two definitions differ here
+    _step(ranks, grads)
+    for r in ranks:
+        assert r.driver.current.grad_sq == pytest.approx(raw, rel=1e-5)
+        assert r.driver.current.acc_sq == pytest.approx(acc, rel=1e-5)

@@ -66,8 +66,9 @@ def test_ef_select_matches_reference(impl, n, with_residual, cap_kind):
     out_idx = torch.full((cap,), -7, dtype=torch.int32)
     out_val = torch.full((cap + 3,), 99.0)
     res = None if residual is None else residual.clone()
-    c, q2, s_acc, s_sel = K.ef_select(grad, res, thr, out_idx, out_val)
+    c, q2, s_acc, s_sel, s_grad = K.ef_select(grad, res, thr, out_idx, out_val)
     assert (c, q2) == (len(sel), q)
+    assert s_grad == pytest.approx(sumsq_ref(grad), rel=1e-12, abs=1e-12)  # the raw gradient, no residual
     assert out_idx[:c].tolist() == sel
     assert torch.equal(out_val[:c], vals)
     assert (out_idx[c:] == -7).all() and (out_val[c:] == 99.0).all()  # untouched beyond the count
@@ -84,13 +85,14 @@ def test_ef_select_random_data_and_empty_selection(impl):
     out_idx = torch.empty(n, dtype=torch.int32)
     out_val = torch.empty(n)
     res = residual.clone()
-    c, q, s_acc, _ = K.ef_select(grad, res, float("inf"), out_idx, out_val)
+    c, q, s_acc, _, s_grad = K.ef_select(grad, res, float("inf"), out_idx, out_val)
+    assert s_grad == pytest.approx(sumsq_ref(grad), rel=1e-12)
     assert (c, q) == (0, 0)
     assert torch.equal(res, grad + residual)
     assert s_acc == pytest.approx(sumsq_ref(grad + residual), rel=1e-12)
     res = residual.clone()
     thr = 2.0
-    c, q, _, s_sel = K.ef_select(grad, res, thr, out_idx, out_val)
+    c, q, _, s_sel, _ = K.ef_select(grad, res, thr, out_idx, out_val)
     acc = grad + residual
     expect = (acc.abs() >= thr).nonzero().flatten()
     assert c == q == expect.numel() > 0
@@ -298,7 +300,7 @@ def test_other_dtypes_and_layouts_use_the_fallback():
     oi = torch.zeros(300, dtype=torch.int64)
     ov = torch.zeros(300, dtype=torch.float64)
     res = r64.clone()
-    c, q, _, _ = K.ef_select(g64, res, 1.5, oi, ov)
+    c, q, *_ = K.ef_select(g64, res, 1.5, oi, ov)
     acc = g64 + r64
     expect = (acc.abs() >= 1.5).nonzero().flatten()
     assert c == q == expect.numel()

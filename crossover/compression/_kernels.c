@@ -103,6 +103,8 @@ int cx_ef_accumulate(const float *g, float *r, int64_t n, double *out_sumsq)
 typedef struct {
     double s[LANES]; /* per-lane sums of acc^2 */
     double tail;     /* sum of acc^2 over elements outside whole lane groups */
+    double sg[LANES]; /* per-lane sums of g^2 (with r: the raw gradient apart from the residual) */
+    double gtail;    /* sum of g^2 outside whole lane groups */
     double ssel;     /* sum of picked^2 */
     int64_t cnt, q;  /* picked, qualifying */
 } select_state;
@@ -121,14 +123,16 @@ static INLINE void select_chunk(select_state *st, const float *g, float *r, int6
             for (int l = 0; l < LANES; l++) {
                 float a = g[i + l] + r[i + l];
                 r[i + l] = a;
-                double d = a;
+                double d = a, e = g[i + l];
                 st->s[l] += d * d;
+                st->sg[l] += e * e;
             }
         }
         for (int64_t i = b + full; i < b + len; i++) {
             float a = g[i] + r[i];
             r[i] = a;
             st->tail += (double)a * (double)a;
+            st->gtail += (double)g[i] * (double)g[i];
         }
     } else {
         for (int64_t i = b; i < b + full; i += LANES) {
@@ -198,7 +202,8 @@ static INLINE void select_chunk(select_state *st, const float *g, float *r, int6
 /* Error-feedback threshold selection, one pass over the data. acc = g + r (r may be NULL: acc = g).
  * Elements with |acc| >= thr are picked in index order into oidx/oval while fewer than cap have been
  * picked; if r is given it ends as 0 where picked and acc elsewhere. counts = {picked, qualifying},
- * sums = {sum acc^2, sum picked^2}.
+ * sums = {sum acc^2, sum picked^2, sum g^2} (the last read in the same pass: with r, the raw gradient's
+ * norm apart from the residual, which GraVAC's gain needs; without r it equals the first).
  * The data go through in L1-sized chunks: a vectorised loop writes r = acc and sums acc^2, a second
  * vectorised loop turns each 32 elements of the (now cached) acc into a bit mask, a mostly
  * branch-free loop turns the set bits into offsets and a last loop emits them. */
@@ -217,6 +222,7 @@ int cx_ef_select(const float *g, float *r, int64_t n, float thr, int32_t *oidx, 
     counts[1] = st.q;
     sums[0] = lanes_total(st.s) + st.tail;
     sums[1] = st.ssel;
+    sums[2] = r ? lanes_total(st.sg) + st.gtail : sums[0];
     return 0;
 }
 

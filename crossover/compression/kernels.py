@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Tuple
+from typing import NamedTuple
 
 import torch
 
@@ -169,12 +169,22 @@ def _raise_index(rc: int, what: str) -> None:
 # Kernels
 # ----------------------------------------------------------------------------------------------
 
+class Selected(NamedTuple):
+    """What `ef_select` picked and the sums of squares it read on the way (all accumulated in double)."""
+
+    count: int  # elements written to out_idx / out_val
+    qualifying: int  # elements with |acc| >= threshold (more than count when the capacity ran out)
+    sumsq_acc: float  # ||grad + residual||^2
+    sumsq_sel: float  # ||picked values||^2
+    sumsq_grad: float  # ||grad||^2 (the raw gradient, apart from the residual)
+
+
 def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float,
-              out_idx: torch.Tensor, out_val: torch.Tensor) -> Tuple[int, int, float, float]:
-    """Select |grad+residual| >= threshold into out_*; -> (n_sel, n_qualifying, sumsq_acc, sumsq_sel)."""
+              out_idx: torch.Tensor, out_val: torch.Tensor) -> Selected:
+    """Select |grad+residual| >= threshold into out_*, in one pass over the data (see `Selected`)."""
     # acc = grad + residual (residual None: acc = grad, no error feedback). Qualifying elements are
     # taken in index order until len(out_idx) are; later ones are counted, not selected. A given
-    # residual becomes acc, with 0 where selected. Sums of squares accumulate in double.
+    # residual becomes acc, with 0 where selected.
     _check_1d(grad=grad, residual=residual, out_idx=out_idx, out_val=out_val)
     n, cap = grad.numel(), out_idx.numel()
     if residual is not None and residual.numel() != n:
@@ -186,10 +196,11 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: floa
     lib = _lib_if_enabled()
     if lib is not None and _f32(grad, residual, out_val) and _cpu_contig(out_idx, torch.int32):
         counts = (ctypes.c_int64 * 2)()
-        sums = (ctypes.c_double * 2)()
+        sums = (ctypes.c_double * 3)()
         lib.cx_ef_select(grad.data_ptr(), _ptr(residual), n, float(threshold), out_idx.data_ptr(),
                          out_val.data_ptr(), cap, counts, sums)
-        return int(counts[0]), int(counts[1]), float(sums[0]), float(sums[1])
+        return Selected(int(counts[0]), int(counts[1]), float(sums[0]), float(sums[1]), float(sums[2]))
+    sumsq_grad = _sumsq_torch(grad) if residual is not None else None
     acc = grad if residual is None else residual.add_(grad)
     hits = (acc.abs() >= threshold).nonzero().flatten()
     sel = hits[:cap]
@@ -200,7 +211,7 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: floa
     sumsq_acc = _sumsq_torch(acc)
     if residual is not None:
         residual[sel] = 0
-    return c, hits.numel(), sumsq_acc, _sumsq_torch(vals)
+    return Selected(c, hits.numel(), sumsq_acc, _sumsq_torch(vals), sumsq_acc if sumsq_grad is None else sumsq_grad)
 
 
 def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor) -> float:

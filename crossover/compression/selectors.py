@@ -37,6 +37,7 @@ class Selection:
     val: torch.Tensor
     sumsq_acc: float  # ||gradient + residual||^2 over the whole tensor
     sumsq_sel: float  # ||selected values||^2
+    sumsq_grad: float = math.nan  # ||gradient||^2 without the residual when the selection pass read it (NaN: not read)
 
 
 class _Buffers:
@@ -76,10 +77,11 @@ class Selector:
         return kernels.threshold_for_density(sample, density)
 
     def _select_ge(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, thr: float,
-                   cap: int) -> tuple[torch.Tensor, torch.Tensor, int, float, float]:
+                   cap: int) -> tuple[int, Selection]:
+        """Elements with |acc| >= thr (at most cap): (how many, the selection)."""
         idx = self.buffers.get(key, "idx", cap, torch.int32, grad.device)
         val = self.buffers.get(key, "val", cap, torch.float32, grad.device)
-        count, _qual, sumsq_acc, sumsq_sel = kernels.ef_select(grad, residual, thr, idx, val)
+        count, _qual, sumsq_acc, sumsq_sel, sumsq_grad = kernels.ef_select(grad, residual, thr, idx, val)
         if count == 0:  # nothing passed: send the largest element so every payload is non-empty
             src = residual if residual is not None else grad  # == acc when nothing was selected
             j = int(torch.argmax(src.abs()).item())
@@ -87,7 +89,7 @@ class Selector:
             if residual is not None:
                 src[j] = 0.0
             count, sumsq_sel = 1, float(val[0].item()) ** 2
-        return idx[:count], val[:count], count, sumsq_acc, sumsq_sel
+        return count, Selection(idx[:count], val[:count], sumsq_acc, sumsq_sel, sumsq_grad)
 
     def select(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, cf: float,
                seed: int) -> Selection:
@@ -126,8 +128,7 @@ class TopK(Selector):
         if k >= numel:
             return _dense_selection(grad, residual)
         thr = self._threshold(self._sample(key, grad, residual), k / numel)
-        idx, val, count, sumsq_acc, sumsq_sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
-        sel = Selection(idx, val, sumsq_acc, sumsq_sel)
+        count, sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
         if count > self.trim_slack * k:  # trim the overshoot; trimmed elements go back to the residual
             keep = Selector.subselect(self, sel, numel, numel / k, seed)
             sel = apply_mask(sel, keep, residual)
@@ -145,8 +146,7 @@ class DGC(Selector):
         if k >= numel:
             return _dense_selection(grad, residual)
         thr = self._threshold(self._sample(key, grad, residual), k / numel)
-        idx, val, count, sumsq_acc, sumsq_sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
-        return Selection(idx, val, sumsq_acc, sumsq_sel)
+        return self._select_ge(key, grad, residual, thr, min(numel, 2 * k))[1]
 
 
 class RedSync(Selector):
@@ -172,8 +172,7 @@ class RedSync(Selector):
             else:
                 hi = mid
         thr = mean + lo * (mx - mean)
-        idx, val, count, sumsq_acc, sumsq_sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
-        return Selection(idx, val, sumsq_acc, sumsq_sel)
+        return self._select_ge(key, grad, residual, thr, min(numel, 2 * k))[1]
 
 
 class RandomK(Selector):
@@ -229,7 +228,7 @@ def apply_mask(sel: Selection, keep: torch.Tensor, residual: torch.Tensor | None
         drop = ~keep
         kernels.scatter_add(residual, sel.idx[drop].contiguous(), sel.val[drop].contiguous())
     val = sel.val[keep]
-    return Selection(sel.idx[keep], val, sel.sumsq_acc, kernels.sumsq(val.contiguous()))
+    return Selection(sel.idx[keep], val, sel.sumsq_acc, kernels.sumsq(val.contiguous()), sel.sumsq_grad)
 
 
 SELECTORS: dict[str, type[Selector]] = {c.name: c for c in (TopK, DGC, RedSync, RandomK)}

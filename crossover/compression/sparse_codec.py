@@ -52,10 +52,12 @@ class SparseCodec:
         if not grad.is_contiguous():
             grad = grad.contiguous()
         residual = self.memory.residual(key, grad)
-        grad_sq = kernels.sumsq(grad) if (self.grad_norms and residual is not None) else None
         levels = sorted({cf for cf in (*rec.probes, rec.sent_cf) if cf > 1})
         seed = shared_seed(self.seed, rec.step, key)
         sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
+        grad_sq = None  # ||g|| apart from the residual: read by the selection pass when it can
+        if self.grad_norms and residual is not None:
+            grad_sq = sel.sumsq_grad if sel is not None and not math.isnan(sel.sumsq_grad) else kernels.sumsq(grad)
         sq: dict[float, float] = {}  # cf -> ||C_cf(acc)||^2; higher CFs compress the first-level selection
         masks: dict[float, torch.Tensor] = {}
         for cf in levels:
