@@ -462,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in names:
         job_out = out / n if a.crossover else out
         job_out.mkdir(parents=True, exist_ok=True)
-        for stale in ("raw.json", "progress"):
+        for stale in ("raw.json", "progress", "policy.rank0.csv"):  # policy.rank0.csv: the trainer's log_csv
             (job_out / stale).unlink(missing_ok=True)
         cfg = make_config(a, job_out)
         cfg["command"] = "crossover-bench " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -34,6 +34,7 @@ class CompressionOptions:
     min_compress_numel: int | None = None
     error_feedback: bool = True
     seed: int = 0
+    log_csv: str | None = None  # the crossover objects' per-step telemetry (policy decisions, norms)
 
 
 def make_compression(method: Method, opts: CompressionOptions) -> Any:
@@ -48,7 +49,8 @@ def make_compression(method: Method, opts: CompressionOptions) -> Any:
         return hvd.Compression.fp16
     common = _given(min_compress_numel=opts.min_compress_numel, seed=opts.seed)
     if method.kind == "gravac":
-        return AdaptiveCompression(opts.gravac_compressor, error_feedback=opts.error_feedback, **common,
+        return AdaptiveCompression(opts.gravac_compressor, error_feedback=opts.error_feedback, log_csv=opts.log_csv,
+                                   **common,
                                    **_given(cf_min=opts.gravac_cf_min, cf_max=opts.gravac_cf_max,
                                             epsilon=opts.gravac_epsilon, window=opts.gravac_window))
     if method.kind == "dqsgd":
@@ -56,7 +58,7 @@ def make_compression(method: Method, opts: CompressionOptions) -> Any:
     if method.kind == "qsgd":
         return QSGDCompression(int(method.value or 8), **common)
     return StaticCompression(method.kind, cf=float(method.value or 100.0), error_feedback=opts.error_feedback,
-                             **common)
+                             log_csv=opts.log_csv, **common)
 
 
 def _given(**settings: Any) -> dict[str, Any]:

@@ -138,7 +138,8 @@ def run(cfg: dict[str, Any]) -> None:
                               gravac_window=None if window is None else int(window),
                               gravac_cf_min=cfg.get("gravac_cf_min"), gravac_cf_max=cfg.get("gravac_cf_max"),
                               gravac_compressor=cfg.get("gravac_compressor", "topk"),
-                              min_compress_numel=cfg.get("min_compress_numel"), seed=seed)
+                              min_compress_numel=cfg.get("min_compress_numel"), seed=seed,
+                              log_csv=str(out / "policy.csv") if rank == 0 else None)
     compression = make_compression(method, opts)
     _gate()  # with --crossover: both jobs start training together (before the optimizer takes the device)
     base_lr = float(cfg["lr"])

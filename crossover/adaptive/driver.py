@@ -272,10 +272,14 @@ class StepLog:
     * A header that cannot lie: fixed columns, the probed CFs are values in each row
       (`probe1_cf, probe1_gain, probe2_cf, probe2_gain`; GraVAC probes at most two CFs), `skipped` = 1
       when the policy did not observe the step (non-finite or saturated statistics).
+    * The squared norms the gains come from, summed over ranks and tensors (`grad_sq` = ||g||^2,
+      `acc_sq` = ||g + e||^2, `probe1_sq`, `probe2_sq` = ||C_cf(g + e)||^2): `probeN_gain` is the "norm"
+      definition, sqrt(probeN_sq / acc_sq); the default "delivered" gain is min(1, sqrt(probeN_sq / grad_sq)).
+      A policy's decisions can be replayed from these columns.
     """
 
     HEADER = ("step", "sent_cf", "step_time_s", "bytes_sent", "bytes_dense", "probe1_cf", "probe1_gain",
-              "probe2_cf", "probe2_gain", "skipped")
+              "probe2_cf", "probe2_gain", "skipped", "grad_sq", "acc_sq", "probe1_sq", "probe2_sq")
     MAX_PROBES = 2
 
     def __init__(self, pattern: str | None, rank: Callable[[], int]) -> None:
@@ -316,9 +320,12 @@ class StepLog:
         for cf, g in list(zip(rec.probes, rec.gains()))[:self.MAX_PROBES]:
             probes += [cf, "" if g is None or rec.skipped else g]
         probes += [""] * (2 * self.MAX_PROBES - len(probes))
+        measured = rec.tensors > 0 and not rec.skipped
+        norms = [rec.grad_sq, rec.acc_sq, *rec.probe_sq[:self.MAX_PROBES]] if measured else []
+        norms = [repr(float(v)) for v in norms] + [""] * (2 + self.MAX_PROBES - len(norms))
         with open(self.path, "a", newline="") as fh:  # type: ignore[arg-type]
             csv.writer(fh).writerow([step, rec.sent_cf, f"{step_time:.6f}", rec.bytes_sent, rec.bytes_dense,
-                                     *probes, int(rec.skipped)])
+                                     *probes, int(rec.skipped), *norms])
 
 
 # ---------------------------------------------------------------------------------------------
