@@ -789,3 +789,23 @@ def test_false_drift_alarms_downward_are_short_and_ever_rarer() -> None:
     assert checks and all(c == (10.0, 4) for c in checks)
     assert len(checks) <= 4  # waits of 20, 80, 320, 1280 steps
     assert policy.send_cf == 100.0
+
+
+def test_ladder_logs_its_searches_and_settling(caplog: pytest.LogCaptureFixture) -> None:
+    """Why the CF changed is in the log (logger crossover.gravac): a search and its reason, each judged
+    trial at DEBUG, the CF settled on; nothing while settled on a steady link."""
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="crossover.gravac"):
+        policy = Ladder()  # the first search starts here
+        drive_ladder(policy, 120, time=lambda cf, t: 0.02 + 1.4 / cf)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "crossover.gravac"]
+    assert msgs[0].startswith("crossover.gravac: step 0: search 1 (first search, from the top): trying CF 1000")
+    assert any("CF 1000 judged on" in m and "samples/s" in m for m in msgs)
+    assert msgs[-1].startswith("crossover.gravac: step") and "settled on CF 1000" in msgs[-1]
+    infos = [r for r in caplog.records if r.name == "crossover.gravac" and r.levelno == logging.INFO]
+    assert len(infos) == 2  # one search, one settling: a steady run logs nothing more at INFO
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="crossover.gravac"):  # the link gets faster: a drift check
+        drive_ladder(policy, 200, time=lambda cf, t: 0.002 + 0.01 / cf, start=120)
+    assert any("step time moved from" in r.getMessage() for r in caplog.records)

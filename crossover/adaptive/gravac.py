@@ -31,6 +31,7 @@ Two searches share the gain bookkeeping:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ from crossover.adaptive._state import check_saved_state
 __all__ = ["GAINS", "SCALINGS", "SEARCHES", "GravacPolicy", "Plan", "StepStats"]
 
 #: Names accepted for ``scaling``: how the paper search's candidate step CF_s grows each window.
+#: Decisions of the ladder (a search begins, a trial is judged, a CF is settled) are logged here: INFO for
+#: searches and settling (a few per run), DEBUG for every judged trial. Every rank logs the same.
+log = logging.getLogger("crossover.gravac")
+
 SCALINGS = ("exponential", "geometric")
 #: Names accepted for ``gain``: how the compression gain of a CF is computed (docs/gravac.md).
 GAINS = ("delivered", "authors", "norm")
@@ -358,9 +363,9 @@ class GravacPolicy:
         """From the top of the ladder: walk down. From a middle rung: walk up first, then down."""
         i = self._start_rung()
         if i == len(self._rungs) - 1:
-            self._start_search(i, -1)
+            self._start_search(i, -1, why="first search, from the top")
         else:
-            self._start_search(i, +1, turn_down=True)
+            self._start_search(i, +1, turn_down=True, why="first search, from start_cf")
 
     def _ladder(self) -> tuple[float, ...]:
         """Dense, then cf_min * cf_step^i below cf_max, then cf_max (ascending)."""
@@ -552,7 +557,7 @@ class GravacPolicy:
 
     # ------------------------------------------------------------------ ladder search
     def _start_search(self, rung: int, direction: int, best: float | None = None, best_rate: float = 0.0,
-                      turn_down: bool = False, keep_times: bool = False) -> None:
+                      turn_down: bool = False, keep_times: bool = False, why: str = "") -> None:
         """Begin a search: try ``self._rungs[rung]``, then walk in ``direction`` (-1 down, +1 up); with
         ``turn_down``, an upward walk that stops at its first rung continues downward from there; with
         ``keep_times``, step times of the previous search still count for predictions (nothing changed
@@ -567,6 +572,8 @@ class GravacPolicy:
         if not keep_times:
             s.search_step = s.step
         s.recent = []
+        log.info("crossover.gravac: step %d: search %d (%s): trying CF %g, walking %s", s.step, s.searches, why,
+                 self._rungs[rung], "down" if direction < 0 else "up")
         self._try(self._rungs[rung])
 
     def _try(self, cf: float) -> None:
@@ -605,7 +612,8 @@ class GravacPolicy:
             g = s.gains.get(s.floor)
             if g is not None and s.settled_gain_steps >= w and g.value < self._epsilon:
                 self._note_gain_failure(s.floor)
-                self._start_search(self._rungs.index(s.floor) - 1, -1, keep_times=True)  # walk down from below
+                self._start_search(self._rungs.index(s.floor) - 1, -1, keep_times=True,  # walk down from below
+                                   why=f"CF {s.floor:g}'s gain {g.value:.2f} fell under epsilon {self._epsilon:g}")
                 return
         if s.retry_rung is not None and s.step >= s.retry_at:
             self._retry()
@@ -670,7 +678,8 @@ class GravacPolicy:
             if slower:
                 s.retry_rung = None  # the walk up tries the CFs above anyway
             self._start_search(nxt, +1 if slower else -1, best=cf,
-                               best_rate=rate if slower else rate * (1.0 + self._omega))
+                               best_rate=rate if slower else rate * (1.0 + self._omega),
+                               why=f"CF {cf:g}'s step time moved from {1e3 * s.ref_time:.1f} to {1e3 * med:.1f} ms")
         else:  # nothing in that direction: the new step time is the reference
             self._settle(cf, med)
 
@@ -685,6 +694,10 @@ class GravacPolicy:
         rate = per_step / step_time * (1.0 if gain is None else min(1.0, gain))
         s.rates[tr.cf] = [rate, 1.0 if tr.cf == _DENSE else (math.nan if gain is None else gain), step_time,
                           per_step, float(s.step)]
+        log.debug("crossover.gravac: step %d: CF %g judged on %d steps: median %.1f ms, gain %s, %.1f samples/s "
+                  "(best so far: %s)", s.step, tr.cf, len(self._timed(tr)), 1e3 * step_time,
+                  "-" if gain is None else f"{gain:.2f}", rate,
+                  "none" if s.best is None else f"CF {s.best:g} at {s.best_rate:.1f}")
         i = self._rungs.index(tr.cf)
         if tr.cf == _DENSE and rate * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate:
             # Dense lost clearly: do not time it again before the run has doubled (O(log steps) trials).
@@ -774,6 +787,7 @@ class GravacPolicy:
 
     def _settle(self, cf: float, step_time: float) -> None:
         s = self._s
+        log.info("crossover.gravac: step %d: settled on CF %g (median step %.1f ms)", s.step, cf, 1e3 * step_time)
         s.trial = None
         s.settled = True
         s.floor = s.candidate = cf
@@ -823,7 +837,8 @@ class GravacPolicy:
             rate = self._rate_now(cf, _median(s.recent))
         s.retry_rung = None
         if i + 1 < len(self._rungs):
-            self._start_search(i + 1, +1, best=cf, best_rate=rate)
+            self._start_search(i + 1, +1, best=cf, best_rate=rate,
+                               why=f"CF {self._rungs[i + 1]:g} lost on its gain earlier, not on step time: retrying it")
 
     # ------------------------------------------------------------------ telemetry
     @property
