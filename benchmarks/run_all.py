@@ -70,7 +70,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
         TtaTask("tta-1gbit", "digits MLP (width 4), 2 emulated hosts at 1 Gbit/s", (*mlp, "--width", "4"), 2,
                 "1gbit", digits_len, 5, repeats=1 if quick else 2),
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
-                "a core)", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5),
+                "a core)", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5, repeats=1 if quick else 2),
         TtaTask("tta-lstm", "2-layer LSTM language model (half width), synthetic text (a 100-word random walk), "
                 "2 emulated hosts at 1 Gbit/s", ("--model", "lstm", "--dataset", "ptb", "--width", "0.5",
                                                  "--vocab-size", "100", *synth, "--eval-samples", "4096"), 2,
