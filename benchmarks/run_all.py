@@ -251,13 +251,16 @@ def run_section(sec: Section, log_dir: Path, netem_reason: str | None) -> None:
 
 
 def _show(argv: list[str]) -> list[str]:
-    """A command as a user would type it (repo-relative paths, `python` for this interpreter)."""
+    """A command as a user would type it (repo-relative paths, `python` for this interpreter, other absolute
+    paths by their name only: a report holds no path of the machine it ran on)."""
     shown = []
     for a in argv:
         if a == sys.executable:
             a = "python"
         elif a.startswith(str(REPO) + "/"):
             a = os.path.relpath(a, REPO)
+        elif os.path.isabs(a):  # a path elsewhere on this machine: only its name
+            a = ".../" + os.path.basename(a)
         shown.append(a)
     return shown
 
@@ -410,7 +413,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
     ]
     for i, r in enumerate(runs, 1):
         m = r["machine"]
-        cmd = shlex.join(["python", "-m", "benchmarks.run_all", *r["argv"]])
+        cmd = shlex.join(["python", "-m", "benchmarks.run_all", *_show(r["argv"])])
         out.append(f"- run{f' {i}' if several else ''}: `{cmd}`, {m['date']}, commit {m['commit']}, "
                    f"{r['wall_s'] / 60:.0f} minutes, load average {m['load']:.2f} at the start"
                    + (f"; sections {', '.join(r['sections'])}" if several else ""))

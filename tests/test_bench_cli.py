@@ -255,6 +255,8 @@ def test_report_excerpts_hold_no_path_of_this_machine() -> None:
     text = f"command: python -m x --out {run_all.REPO}/results/a\nresults in {run_all.REPO}/results/a\n"
     shown = run_all._excerpt(text)
     assert str(run_all.REPO) not in shown and "--out results/a" in shown and "results in results/a" in shown
+    argv = [sys.executable, "-m", "x", "--out", f"{run_all.REPO}/results/a", "--report", "/tmp/elsewhere/r.md"]
+    assert run_all._show(argv) == ["python", "-m", "x", "--out", "results/a", "--report", ".../r.md"]
 
 
 def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
