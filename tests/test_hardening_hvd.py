@@ -225,7 +225,16 @@ def _csv_files(tmp: str) -> dict:
         hopt.zero_grad()
         hm(torch.randn(4, 200).half()).float().sum().backward()
         hopt.step()
+    head = rows[0]
+    col = {name: head.index(name) for name in ("probe1_cf", "probe1_gain", "skipped", "grad_sq", "acc_sq", "probe1_sq")}
+    probed = [r for r in rows[1:] if r[col["probe1_cf"]] and r[col["skipped"]] == "0"]
+    # the logged norms give the logged gain: probe1_gain = sqrt(probe1_sq / acc_sq)
+    norms_ok = bool(probed) and all(
+        float(r[col["grad_sq"]]) > 0 and float(r[col["acc_sq"]]) > 0
+        and abs(float(r[col["probe1_gain"]]) - (float(r[col["probe1_sq"]]) / float(r[col["acc_sq"]])) ** 0.5) < 1e-6
+        for r in probed)
     return {"path": os.path.basename(comp.driver.log.path), "untouched": untouched, "header": rows[0],
+            "norms_ok": norms_ok,
             "widths": sorted({len(r) for r in rows}), "rows": len(rows) - 1,
             "cfs": sorted({r[5] for r in rows[1:]} | {r[7] for r in rows[1:]}), "half_step": half.stats()["step"]}
 
@@ -376,7 +385,8 @@ def test_csv_per_rank_never_mixed_stable_header_and_step_count(misuse_results):
         assert c["header"] == ["step", "sent_cf", "step_time_s", "bytes_sent", "bytes_dense", "probe1_cf",
                                "probe1_gain", "probe2_cf", "probe2_gain", "skipped", "grad_sq", "acc_sq",
                                "probe1_sq", "probe2_sq"]
-        assert c["widths"] == [10] and c["rows"] == 38 and len(set(c["cfs"]) - {""}) >= 2  # the CF changed
+        assert c["widths"] == [14] and c["rows"] == 38 and len(set(c["cfs"]) - {""}) >= 2  # the CF changed
+        assert c["norms_ok"]  # the squared norms behind each gain are logged too
         assert c["half_step"] == 4
 
 
