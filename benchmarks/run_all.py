@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --large: folder with cifar-10-batches-py/, imagenet/ and ptb/ (default: synthetic)")
     args = p.parse_args(argv)
     out = (REPO / args.out).resolve()
-    secs = sections(out, args.quick, args.large, args.data_root)
+    every = secs = sections(out, args.quick, args.large, args.data_root)
     if args.list:
         for s in secs:
             print(f"{s.key:<28}{s.title} ({len(s.runs)} command(s))")
@@ -547,11 +547,10 @@ def main(argv: list[str] | None = None) -> int:
                 for r in (saved["runs"] if saved else [])]
         runs = [r for r in runs if r["sections"]] + [this]
         if saved:  # the earlier run's other sections join the report, each with the run that measured it
-            kept = [s for s in sections(out, args.quick, args.large, args.data_root)
-                    if s.key in saved["sections"] and s.key not in done]
+            kept = [s for s in every if s.key in saved["sections"] and s.key not in done]
             for sec in kept:
                 _restore(sec, saved["sections"][sec.key], out)
-            order = {s.key: i for i, s in enumerate(sections(out, args.quick, args.large, args.data_root))}
+            order = {s.key: i for i, s in enumerate(every)}
             secs = sorted(secs + kept, key=lambda s: order.get(s.key, len(order)))
         (out / "status.json").write_text(json.dumps({
             "version": 2, "runs": runs,

@@ -42,11 +42,11 @@ from crossover.adaptive._state import check_saved_state
 
 __all__ = ["GAINS", "SCALINGS", "SEARCHES", "GravacPolicy", "Plan", "StepStats"]
 
-#: Names accepted for ``scaling``: how the paper search's candidate step CF_s grows each window.
 #: Decisions of the ladder (a search begins, a trial is judged, a CF is settled) are logged here: INFO for
 #: searches and settling (a few per run), DEBUG for every judged trial. Every rank logs the same.
 log = logging.getLogger("crossover.gravac")
 
+#: Names accepted for ``scaling``: how the paper search's candidate step CF_s grows each window.
 SCALINGS = ("exponential", "geometric")
 #: Names accepted for ``gain``: how the compression gain of a CF is computed (docs/gravac.md).
 GAINS = ("delivered", "authors", "norm")

@@ -37,7 +37,7 @@ class Selection:
     val: torch.Tensor
     sumsq_acc: float  # ||gradient + residual||^2 over the whole tensor
     sumsq_sel: float  # ||selected values||^2
-    sumsq_grad: float = math.nan  # ||gradient||^2 without the residual when the selection pass read it (NaN: not read)
+    sumsq_grad: float | None = None  # ||gradient||^2 without the residual, when the selection pass read it
 
 
 class _Buffers:

@@ -57,7 +57,7 @@ class SparseCodec:
         sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
         grad_sq = None  # ||g|| apart from the residual: read by the selection pass when it can
         if self.grad_norms and residual is not None:
-            grad_sq = sel.sumsq_grad if sel is not None and not math.isnan(sel.sumsq_grad) else kernels.sumsq(grad)
+            grad_sq = sel.sumsq_grad if sel is not None and sel.sumsq_grad is not None else kernels.sumsq(grad)
         sq: dict[float, float] = {}  # cf -> ||C_cf(acc)||^2; higher CFs compress the first-level selection
         masks: dict[float, torch.Tensor] = {}
         for cf in levels:
