@@ -45,6 +45,16 @@ def make_compression(method: str, window: int):
     return StaticCompression(name, cf=float(cf or 100))
 
 
+def _settled_cf(comp) -> float | None:
+    """The CF an adaptive policy has settled on, None while it searches (or for a fixed method)."""
+    from crossover.adaptive.gravac import GravacPolicy
+
+    policy = getattr(comp, "policy", None)
+    if not isinstance(policy, GravacPolicy) or not policy.settled:
+        return None
+    return float(policy.send_cf)
+
+
 def build_model(params: int):
     """An MLP with about `params` parameters: 1024 -> h -> h -> 10."""
     import torch
@@ -72,15 +82,19 @@ def worker(args: argparse.Namespace) -> None:
         runs.append((m, model, opt, comp))
     x = torch.randn(args.batch, 1024)
     y = torch.randint(0, 10, (args.batch,))
-    times = {m: [] for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    settled: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}  # (step s, CF) of settled steps
     for step in range(args.warmup + args.steps):
-        for m, model, opt, _ in runs:  # interleave methods so drift hits all of them alike
+        for m, model, opt, comp in runs:  # interleave methods so drift hits all of them alike
+            before = _settled_cf(comp)
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             if step >= args.warmup:
                 times[m].append(time.perf_counter() - t0)
+                if before is not None and _settled_cf(comp) == before:
+                    settled[m].append((times[m][-1], before))
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in runs[0][1].parameters())
         dense = statistics.median(times[methods[0]])
@@ -91,8 +105,13 @@ def worker(args: argparse.Namespace) -> None:
             ratio = (st["bytes_dense"] / st["bytes_sent"]) if st.get("bytes_sent") else None  # None: not counted
             if m == "dense":
                 ratio = 1.0
-            rows.append({"method": m, "median_step_s": med, "vs_first": med / dense,
-                         "bytes_ratio": ratio, "cf": st.get("compression_factor")})
+            row = {"method": m, "median_step_s": med, "vs_first": med / dense, "bytes_ratio": ratio,
+                   "cf": st.get("compression_factor")}
+            if settled[m]:  # an adaptive policy: the steps it ran settled, apart from its searches
+                cfs = [cf for _, cf in settled[m]]
+                row.update(settled_steps=len(cfs), settled_cf=max(set(cfs), key=cfs.count),
+                           settled_median_step_s=statistics.median(t for t, _ in settled[m]))
+            rows.append(row)
         print(json.dumps({"params": nparams, "size": hvd.size(), "rows": rows}), flush=True)
 
 
@@ -135,10 +154,13 @@ def main() -> None:
     result = json.loads(line[line.index("{"):])
     result.update(rate=args.rate or "loopback (unshaped)", delay=args.delay, command=" ".join(sys.argv))
     print(f"\n{result['size']} ranks, {result['params'] / 1e6:.1f} M parameters, link {result['rate']}")
-    print(f"{'method':<14}{'step ms':>10}{'vs ' + result['rows'][0]['method']:>12}{'bytes dense/sent':>18}")
+    print(f"{'method':<14}{'step ms':>10}{'vs ' + result['rows'][0]['method']:>12}{'bytes dense/sent':>18}"
+          f"{'settled: steps, CF, step ms':>30}")
     for r in result["rows"]:
         ratio = "n/a" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.1f}"
-        print(f"{r['method']:<14}{1000 * r['median_step_s']:>10.1f}{r['vs_first']:>12.3f}{ratio:>18}")
+        tail = (f"{r['settled_steps']:>10}{r['settled_cf']:>8g}{1000 * r['settled_median_step_s']:>12.1f}"
+                if "settled_steps" in r else "")
+        print(f"{r['method']:<14}{1000 * r['median_step_s']:>10.1f}{r['vs_first']:>12.3f}{ratio:>18}{tail}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
