@@ -1,11 +1,11 @@
 """Training-step time of compression methods side by side, in one Horovod job.
 
-    python -m benchmarks.bench_step --methods dense,fp16,topk:100,adaptive --rate 1gbit --hosts 2
+    python -m benchmarks.bench_step --methods dense,fp16,topk:100,adaptive --rate 1gbit --np 2
 
 With --rate the ranks run on emulated hosts joined by links of that rate (benchmarks.netem, needs
 root); without it they run on plain loopback via horovodrun. Every method trains the same model
-(an MLP of --params parameters, synthetic data) in the same processes, interleaved round by round so
-drift affects all alike; the table gives median step times and ratios to dense.
+(an MLP of --params parameters, synthetic data) in the same processes, interleaved in blocks of
+--block steps so drift affects all alike; the table gives median step times and ratios to dense.
 """
 
 from __future__ import annotations
@@ -84,17 +84,21 @@ def worker(args: argparse.Namespace) -> None:
     y = torch.randint(0, 10, (args.batch,))
     times: dict[str, list[float]] = {m: [] for m in methods}
     settled: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}  # (step s, CF) of settled steps
-    for step in range(args.warmup + args.steps):
-        for m, model, opt, comp in runs:  # interleave methods so drift hits all of them alike
-            before = _settled_cf(comp)
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            if step >= args.warmup:
-                times[m].append(time.perf_counter() - t0)
-                if before is not None and _settled_cf(comp) == before:
-                    settled[m].append((times[m][-1], before))
+    total = args.warmup + args.steps
+    for first in range(0, total, args.block):
+        # Interleave methods in blocks so drift hits all of them alike. Blocks, not single steps: an adaptive
+        # policy times the wall time between its own steps, which must be its own step, not a round of all.
+        for m, model, opt, comp in runs:
+            for step in range(first, min(first + args.block, total)):
+                before = _settled_cf(comp)
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                if step >= args.warmup:
+                    times[m].append(time.perf_counter() - t0)
+                    if before is not None and _settled_cf(comp) == before:
+                        settled[m].append((times[m][-1], before))
     if hvd.rank() == 0:
         nparams = sum(p.numel() for p in runs[0][1].parameters())
         dense = statistics.median(times[methods[0]])
@@ -125,6 +129,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=10,
+                        help="steps each method runs before the next method's turn (default 10)")
     parser.add_argument("--window", type=int, default=5, help="GraVAC window for 'adaptive' (short runs)")
     parser.add_argument("--np", type=int, default=2, help="ranks (one per emulated host with --rate)")
     parser.add_argument("--rate", default=None, help="emulated link rate, e.g. 1gbit (needs root)")
@@ -137,7 +143,7 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "benchmarks.bench_step", "--worker", "--methods", args.methods,
            "--params", str(args.params), "--batch", str(args.batch), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--window", str(args.window)]
+           "--warmup", str(args.warmup), "--window", str(args.window), "--block", str(args.block)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     print("command:", " ".join(sys.argv), flush=True)
     if args.rate:

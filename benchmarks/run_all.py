@@ -156,14 +156,14 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 [Run(["taskset", "-c", "0", py, "benchmarks/bench_quantize.py", "--json", str(out / "quantize.json"),
                       *small])]),
         Section("step", "Training-step time on an emulated 1 Gbit/s link, 2 hosts",
-                "One process per emulated host, every method in the same processes, interleaved; a 12 M "
+                "One process per emulated host, every method in the same processes, interleaved in blocks of 10 "
+                "steps; a 12 M "
                 "parameter MLP (communication-bound). `adaptive` is `AdaptiveCompression()` with its defaults; "
                 "`adaptive-off` measures the overhead of the hook with compression off. `adaptive`'s step ms is "
                 "the median of all its steps, searches included; the settled columns give the steps it ran "
-                "settled, the CF it settled on most and their median. Interleaved, its policy times a whole "
-                "round of every method as its step (it measures the time between its own steps), so the CF it "
-                "settles on here is not the one it would choose running alone; the settled figure compares "
-                "its per-step cost with the static row of that CF.",
+                "settled, the CF it settled on most and their median, to compare with the static row of that "
+                "CF (its policy times the wall time between its own steps: one step in each block of 10 "
+                "includes the other methods' turns).",
                 [Run([py, "-m", "benchmarks.bench_step", "--methods",
                       "dense,hvd-fp16,fp16,topk:100,adaptive,adaptive-off",
                       "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "60",
