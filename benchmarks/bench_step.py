@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> None:
                    "cf": st.get("compression_factor")}
             if settled[m]:  # an adaptive policy: the steps it ran settled, apart from its searches
                 cfs = [cf for _, cf in settled[m]]
-                row.update(settled_steps=len(cfs), settled_cf=max(set(cfs), key=cfs.count),
+                row.update(settled_steps=len(cfs), settled_cf=statistics.mode(cfs),
                            settled_median_step_s=statistics.median(t for t, _ in settled[m]))
             rows.append(row)
         print(json.dumps({"params": nparams, "size": hvd.size(), "rows": rows}), flush=True)

@@ -159,8 +159,8 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                       *small])]),
         Section("step", "Training-step time on an emulated 1 Gbit/s link, 2 hosts",
                 "One process per emulated host, every method in the same processes, interleaved in blocks of 10 "
-                "steps; a 12 M "
-                "parameter MLP (communication-bound). `adaptive` is `AdaptiveCompression()` with its defaults; "
+                "steps; a 12 M parameter MLP (communication-bound). `adaptive` is `AdaptiveCompression()` with its "
+                "defaults; "
                 "`adaptive-off` measures the overhead of the hook with compression off. `adaptive`'s step ms is "
                 "the median of all its steps, searches included; the settled columns give the steps it ran "
                 "settled, the CF it settled on most and their median, to compare with the static row of that "
