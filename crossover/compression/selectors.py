@@ -162,6 +162,8 @@ class RedSync(Selector):
         if k >= numel:
             return _dense_selection(grad, residual)
         sample = self._sample(key, grad, residual)
+        if sample.device.type != "cpu":  # one small copy instead of a device round trip per bisection step;
+            sample = sample.cpu()  # the CPU arithmetic also gives the CPU path's threshold exactly
         want = max(1.0, sample.numel() * k / numel)
         mean, mx = float(sample.mean()), float(sample.max())
         lo, hi = 0.0, 1.0
