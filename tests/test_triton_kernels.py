@@ -112,3 +112,15 @@ def test_quantizer_matches_c(bits):
     Q.dequantize_levels(lev, scale, s, d, 0.75, accumulate=True)
     T.dequantize_levels(lev_t, sw, d_t, True)
     assert _same(d, d_t)
+
+
+@pytest.mark.parametrize("numel,n", [(1, 1), (100, 7), (20_011, 4097), (20_011, 20_011)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_sample_abs_matches_c(numel, n, with_residual):
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    r = torch.randn(numel, generator=torch.Generator().manual_seed(n)) if with_residual else None
+    out = torch.empty(n)
+    K.sample_abs(g, r, n, out)
+    out_t = torch.full((n,), -1.0, device=DEVICE)
+    T.sample_abs(_dev(g), None if r is None else _dev(r), n, out_t)
+    assert _same(out, out_t)

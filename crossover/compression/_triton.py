@@ -7,8 +7,9 @@ pure-torch fallbacks. Each function has the semantics of the C kernel of the sam
 * sums of squares are accumulated in float64 (per block, then over blocks), so they agree with the
   C kernels to rounding (the summation order differs);
 * `ef_select` keeps the C kernel's order: qualifying elements are taken in index order until the
-  output is full (one counting pass over the tensor, an exclusive scan of the per-block counts, one
-  writing pass), so selections, values and residuals are bit-identical to the CPU path;
+  output is full (one pass over the tensor that counts per block and keeps one bit per element, an
+  exclusive scan of the counts, then a writing pass that reads those bits and only the picked
+  elements), so selections, values and residuals are bit-identical to the CPU path;
 * the quantizer reproduces the C arithmetic bit for bit (the same counter-based uniforms, float32
   products and sums with no fused multiply-add: kernels are launched with ``enable_fp_fusion=False``),
   so levels, packed bytes, residuals and decoded values equal the CPU's for the same seed.
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ef_accumulate", "ef_select", "sumsq", "quantize", "dequantize_levels", "unpack", "self_test"]
+__all__ = ["ef_accumulate", "ef_select", "sample_abs", "sumsq", "quantize", "dequantize_levels", "unpack", "self_test"]
 
 BLOCK = 4096  # elements per program of the dense kernels
 GROUPS = 256  # groups of 8 elements per program of the quantizer kernels (2048 elements)
@@ -54,9 +55,10 @@ def _accumulate_kernel(g_ptr, r_ptr, n, part_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_count_kernel(g_ptr, r_ptr, n, thr, cnt_ptr, part_ptr, nblocks, HAS_RES: tl.constexpr,
+def _select_count_kernel(g_ptr, r_ptr, n, thr, cnt_ptr, bits_ptr, part_ptr, nblocks, HAS_RES: tl.constexpr,
                          BLOCK: tl.constexpr):
-    """acc = g (+ r, written back to r); per block: qualifying count, sum acc^2, sum g^2."""
+    """acc = g (+ r, written back to r); per block: qualifying count, sum acc^2, sum g^2, and one bit per
+    element (|acc| >= thr) so that the writing pass need not read the tensor again."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -70,28 +72,47 @@ def _select_count_kernel(g_ptr, r_ptr, n, thr, cnt_ptr, part_ptr, nblocks, HAS_R
         acc = g
     a = acc.to(tl.float64)
     tl.store(part_ptr + pid, tl.sum(a * a, axis=0))
-    hits = (tl.abs(acc) >= thr) & m
+    hits = ((tl.abs(acc) >= thr) & m).to(tl.uint32)
     tl.store(cnt_ptr + pid, tl.sum(hits.to(tl.int32), axis=0))
+    lanes = tl.arange(0, 32).to(tl.uint32)
+    words = tl.sum(tl.reshape(hits, (BLOCK // 32, 32)) << lanes[None, :], axis=1)  # disjoint bits
+    tl.store(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32),
+             words.to(tl.uint32).to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _select_write_kernel(a_ptr, n, thr, cnt_ptr, end_ptr, cap, oidx_ptr, oval_ptr, part_ptr, nblocks,
+def _select_write_kernel(a_ptr, cnt_ptr, end_ptr, bits_ptr, cap, oidx_ptr, oval_ptr, part_ptr, nblocks,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    """Write the block's qualifying elements at their place in index order (those before `cap`)."""
+    """Write the block's qualifying elements at their place in index order (those before `cap`),
+    reading the tensor only where an element was picked."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
     base = tl.load(end_ptr + pid) - tl.load(cnt_ptr + pid)  # exclusive scan of the counts
-    acc = tl.load(a_ptr + offs, mask=m, other=0.0)
-    hits = (tl.abs(acc) >= thr) & m
-    pos = base + tl.cumsum(hits.to(tl.int64), axis=0) - 1
-    sel = hits & (pos < cap)
+    words = tl.load(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(tl.uint32,
+                                                                                             bitcast=True)
+    lanes = tl.arange(0, 32).to(tl.uint32)
+    hits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BLOCK,)).to(tl.int64)
+    pos = base + tl.cumsum(hits, axis=0) - 1
+    sel = (hits != 0) & (pos < cap)
+    acc = tl.load(a_ptr + offs, mask=sel, other=0.0)
     tl.store(oidx_ptr + pos, offs.to(tl.int32), mask=sel)
     tl.store(oval_ptr + pos, acc, mask=sel)
     if HAS_RES:
         tl.store(a_ptr + offs, tl.zeros_like(acc), mask=sel)
-    a = tl.where(sel, acc, 0.0).to(tl.float64)
+    a = acc.to(tl.float64)  # 0 where not picked
     tl.store(part_ptr + nblocks + pid, tl.sum(a * a, axis=0))
+
+
+@triton.jit
+def _sample_abs_kernel(g_ptr, r_ptr, numel, n, out_ptr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = j < n
+    p = j * numel // n
+    v = tl.load(g_ptr + p, mask=m, other=0.0)
+    if HAS_RES:
+        v = v + tl.load(r_ptr + p, mask=m, other=0.0)
+    tl.store(out_ptr + j, tl.abs(v), mask=m)
 
 
 def _blocks(n: int) -> int:
@@ -128,17 +149,26 @@ def ef_select(g: torch.Tensor, r: torch.Tensor | None, thr: float, out_idx: torc
         return 0, 0, 0.0, 0.0, 0.0
     nb = _blocks(n)
     cnt = torch.empty(nb, dtype=torch.int32, device=g.device)
+    bits = torch.empty(nb * (BLOCK // 32), dtype=torch.int32, device=g.device)
     part = torch.empty((3, nb), dtype=torch.float64, device=g.device)  # sum acc^2, picked^2, g^2 per block
     has_res = r is not None
-    _select_count_kernel[(nb,)](g, r if has_res else g, n, thr, cnt, part, nb, HAS_RES=has_res, BLOCK=BLOCK)
+    _select_count_kernel[(nb,)](g, r if has_res else g, n, thr, cnt, bits, part, nb, HAS_RES=has_res, BLOCK=BLOCK)
     end = torch.cumsum(cnt, 0)  # int64: inclusive scan
-    _select_write_kernel[(nb,)](r if has_res else g, n, thr, cnt, end, cap, out_idx, out_val, part, nb,
+    _select_write_kernel[(nb,)](r if has_res else g, cnt, end, bits, cap, out_idx, out_val, part, nb,
                                 HAS_RES=has_res, BLOCK=BLOCK)
     sums = part.sum(dim=1)
     qual = end[-1:].to(torch.float64)  # exact below 2**53
     acc_sq, sel_sq, g_sq, q = torch.cat([sums, qual]).tolist()  # the one device-to-host copy
     q = int(q)
     return min(q, cap), q, acc_sq, sel_sq, g_sq if has_res else acc_sq
+
+
+def sample_abs(g: torch.Tensor, r: torch.Tensor | None, n: int, out: torch.Tensor) -> None:
+    """out[j] = |g[p] + r[p]| at p = j * len(g) // n for j < n (kernels.sample_abs), in one launch."""
+    if n == 0:
+        return
+    _sample_abs_kernel[(_blocks(n),)](g, g if r is None else r, g.numel(), n, out, HAS_RES=r is not None,
+                                      BLOCK=BLOCK)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ atomically, so concurrent ranks can build at the same time. ``scripts/setup.sh``
 time through :func:`build_kernels`.
 
 Only 1-D contiguous float32 CPU tensors (int32 for indices) go to C. On CUDA tensors of the same
-kinds the dense passes (``ef_select``, ``ef_accumulate``, ``sumsq``) run fused Triton kernels
-(``_triton.py``: a CUDA build of PyTorch brings Triton; they are compiled and checked on first use,
-and skipped with a warning if that fails; ``use_gpu_kernels(False)`` or ``CROSSOVER_NO_TRITON=1``
-turns them off); the index-sized operations use torch ops there. Anything else (other dtypes,
+kinds the dense passes (``ef_select``, ``ef_accumulate``, ``sumsq``) and ``sample_abs`` run fused
+Triton kernels (``_triton.py``: a CUDA build of PyTorch brings Triton; they are compiled and checked
+on first use, and skipped with a warning if that fails; ``use_gpu_kernels(False)`` or
+``CROSSOVER_NO_TRITON=1`` turns them off); the index-sized operations use torch ops there. Anything else (other dtypes,
 layouts, devices) and every call when no compiler is available, the build failed,
 ``use_kernels(False)`` was called or ``CROSSOVER_NO_KERNELS=1`` is set (read at each call) runs a
 pure-torch fallback with the same semantics (sums of squares may differ in the last bits: the
@@ -384,6 +384,10 @@ def sample_abs(grad: torch.Tensor, residual: torch.Tensor | None, n: int, out: t
     lib = _lib_if_enabled()
     if lib is not None and _f32(grad, residual, out):
         lib.cx_sample_abs(grad.data_ptr(), _ptr(residual), numel, n, out.data_ptr())
+        return
+    gpu = _gpu(grad, residual, out)
+    if gpu is not None and _all_f32(grad, residual, out):
+        gpu.sample_abs(grad, residual, n, out)
         return
     pos = torch.arange(n, device=grad.device, dtype=torch.int64) * numel // n
     a = grad[pos] if residual is None else grad[pos] + residual[pos]
