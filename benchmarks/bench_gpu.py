@@ -194,7 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             K.sample_abs(g, None, m, sbuf)
             K.threshold_for_density(sbuf.cpu(), args.density)
 
+        def threshold_sort() -> None:  # the same order statistic through a sort
+            K.sample_abs(g, None, m, sbuf)
+            kk = min(m, max(1, int(round(args.density * m))))
+            float(torch.sort(sbuf).values[m - kk])
+
         row(f"sample_abs {m:,} + threshold_for_density on the GPU{sfx}", threshold_gpu, "parts")
+        row(f"sample_abs {m:,} + threshold by torch.sort on the GPU{sfx}", threshold_sort, "parts")
         row(f"sample_abs {m:,} + threshold_for_density on a host copy{sfx}", threshold_host, "parts")
         row(f"ef_select alone (threshold given){sfx}", lambda: K.ef_select(g, None, thr_fixed, oi, ov), "parts")
         row(f"ef_select + EF alone (threshold given){sfx}", lambda: K.ef_select(g, residual, thr_fixed, oi, ov),
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     b = K.ef_select(g, residual, thr, oi, ov)
     same = (a.count == b.count and torch.equal(oic[:a.count], oi[:b.count].cpu())
             and torch.equal(ovc[:a.count], ov[:b.count].cpu()) and torch.equal(rcc, residual.cpu()))
-    print(f"\n25 M-element ef_select with error feedback, GPU vs CPU: {a.count:,} selected on both; indices, "
+    print(f"\n{n:,}-element ef_select with error feedback, GPU vs CPU: {a.count:,} selected on both; indices, "
           f"values and residuals identical: {same}")
 
     print(f"\nread pass: {read_dev * 1e3:.1f} us device time (the ratios' denominator), {read_wall * 1e3:.1f} us "

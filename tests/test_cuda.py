@@ -172,7 +172,7 @@ def test_ef_select_cuda_equals_cpu(gpu_impl, n, with_residual):
 def test_sums_cuda_equal_cpu(gpu_impl, n):
     g = torch.randn(n, generator=torch.Generator().manual_seed(n))
     r = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
-    rel = 1e-9 if gpu_impl == "triton" else 1e-6  # the fallback accumulates rows in float32
+    rel = 1e-9 if gpu_impl == "triton" else 1e-5  # the fallback accumulates rows in float32
     assert K.sumsq(g.cuda()) == pytest.approx(K.sumsq(g), rel=rel, abs=1e-30)
     rc, rg = r.clone(), r.cuda()
     assert K.ef_accumulate(g.cuda(), rg) == pytest.approx(K.ef_accumulate(g, rc), rel=rel, abs=1e-30)

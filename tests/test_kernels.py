@@ -318,7 +318,7 @@ def test_cuda_matches_cpu():
     cpu = K.ef_select(g, rc, 2.5, oi, ov)
     oig, ovg, rg = oi.cuda().zero_(), ov.cuda().zero_(), r.cuda()
     gpu = K.ef_select(g.cuda(), rg, 2.5, oig, ovg)
-    rel = 1e-9 if K.gpu_kernels_available() else 1e-6  # the torch fallback accumulates rows in float32
+    rel = 1e-9 if K.gpu_kernels_available() else 1e-5  # the torch fallback accumulates rows in float32
     assert cpu[:2] == gpu[:2] and cpu[2:] == pytest.approx(gpu[2:], rel=rel)
     assert torch.equal(oig.cpu(), oi) and torch.equal(ovg.cpu(), ov) and torch.equal(rg.cpu(), rc)
     a, b = torch.empty(999, dtype=torch.int32), torch.empty(999, dtype=torch.int32, device="cuda")

@@ -191,7 +191,7 @@ def _levels(x, i, mult, s, seed):
     return tl.where(x.to(tl.int32, bitcast=True) < 0, -lev, lev)  # the sign bit, as signbit()
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["n", "seed", "nbytes"])  # fewer variants to compile
 def _quantize_kernel(x_ptr, n, mult, s, seed, step, lev_ptr, res_ptr, pk_ptr, nbytes,
                      HAS_LEV: tl.constexpr, HAS_RES: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
     pid = tl.program_id(0)
@@ -213,7 +213,7 @@ def _quantize_kernel(x_ptr, n, mult, s, seed, step, lev_ptr, res_ptr, pk_ptr, nb
         tl.store(pk_ptr + dst, byte.to(tl.uint8), mask=(j[None, :] < BITS) & (dst < nbytes))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _unpack_kernel(pk_ptr, n, nbytes, s, sw, out_ptr, lev_ptr, HAS_OUT: tl.constexpr, ACC: tl.constexpr,
                    HAS_LEV: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
     pid = tl.program_id(0)
