@@ -335,6 +335,7 @@ def main() -> int:
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     test_cpu, build_cpu = cores(args.test_cores), cores(args.build_cores)
     results: dict[str, Any] = {"argv": [Path(sys.argv[0]).name, *sys.argv[1:]]}
