@@ -73,6 +73,87 @@ def device_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times[3:])
 
 
+def profile(g, r0, residual, dense, sbuf, oi, ov, m: int, density: float, read_dev: float) -> None:
+    """Where the time of the top-k class and quantizer paths goes, and ef_select's launch settings swept."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from crossover.compression import _triton as T
+
+    n = g.numel()
+
+    def restore() -> None:
+        residual.copy_(r0)
+
+    def trace(name: str, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> None:
+        for _ in range(3):
+            if setup is not None:
+                setup()
+            fn()
+        sync()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for _ in range(10):
+                if setup is not None:
+                    setup()
+                fn()
+            sync()
+        print(f"\n=== {name} (10 calls)")
+        try:
+            table = p.key_averages().table(sort_by="device_time_total", row_limit=16, max_name_column_width=70)
+        except Exception:  # older torch: the CUDA column's old name
+            table = p.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
+        print(table, flush=True)
+
+    k_s = min(m, max(1, int(round(density * m))))
+    thr = float(torch.kthvalue(g[:: n // m].abs().cpu(), m - k_s + 1).values)
+    state = {"c": 0}
+
+    def topk(res=None) -> None:
+        K.sample_abs(g, res, m, sbuf)
+        t = K.threshold_for_density(sbuf, density)
+        state["c"] = K.ef_select(g, res, t, oi, ov)[0]
+        K.zero_scatter(dense, oi[:state["c"]], ov[:state["c"]])
+
+    trace("top-k class compress + decompress [triton]", topk)
+    trace("top-k class + EF compress + decompress [triton]", lambda: topk(residual), restore)
+    trace("sample_abs + kthvalue", lambda: (K.sample_abs(g, None, m, sbuf), torch.kthvalue(sbuf, m - k_s + 1)))
+    trace("sample_abs + sort", lambda: (K.sample_abs(g, None, m, sbuf), torch.sort(sbuf)))
+    trace("sample_abs + topk(k_s)", lambda: (K.sample_abs(g, None, m, sbuf), torch.topk(sbuf, k_s, sorted=False)))
+    s = Q.levels_for_bits(4)
+    packed = torch.empty(Q.packed_nbytes(n, 4), dtype=torch.uint8, device=g.device)
+
+    def quant() -> None:
+        scale = Q.absmax(g)
+        Q.quantize_pack(g, scale, s, 4, 11, packed)
+        Q.unpack_dequantize(packed, n, scale, s, 4, dense)
+
+    trace("b=4 absmax + quantize_pack + unpack_dequantize [triton]", quant)
+
+    tiny = torch.ones(4096, device=g.device)
+    launch = 1e3 * statistics.median(wall(lambda: T.sumsq(tiny), None, 200, 20))
+    torch_op = 1e3 * statistics.median(wall(lambda: tiny.sum(), None, 200, 20))
+    item = 1e3 * statistics.median(wall(lambda: float(tiny.sum()), None, 200, 20))
+    print(f"\nsmall calls, synchronised wall time: Triton sumsq of 4096 elements (1 Triton launch + sum + float) "
+          f"{launch * 1e3:.1f} us; torch sum {torch_op * 1e3:.1f} us; torch sum + float() {item * 1e3:.1f} us")
+
+    print("\nef_select (no EF, threshold given): block size and warps; device time of 20 calls' median, and "
+          "synchronised wall time")
+    saved = T.SELECT_BLOCK, T.SELECT_WARPS
+    for block in (1024, 2048, 4096, 8192, 16384):
+        for warps in (4, 8, 16):
+            if warps * 32 > block:
+                continue
+            T.SELECT_BLOCK, T.SELECT_WARPS = block, warps
+            try:
+                dev_ms = device_ms(lambda: T.ef_select(g, None, thr, oi, ov), 20)
+                wall_ms = 1e3 * statistics.median(wall(lambda: T.ef_select(g, None, thr, oi, ov), None, 20, 3))
+                print(f"  block {block:6d} warps {warps:2d}: device {dev_ms * 1e3:7.1f} us  "
+                      f"wall {wall_ms * 1e3:7.1f} us  ({wall_ms / read_dev:.2f}x read)", flush=True)
+            except Exception as e:  # a setting that does not compile: say so, go on
+                print(f"  block {block:6d} warps {warps:2d}: {type(e).__name__}: {str(e)[:120]}")
+    T.SELECT_BLOCK, T.SELECT_WARPS = saved
+
+
 class _Twin:
     """Collectives of rank 0 in a world of 2 whose peer sends exactly what this rank sends."""
 
@@ -98,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the table: per-kernel device times (torch.profiler) of the top-k and quantizer "
+                         "paths, Triton's launch overhead, and ef_select's block size and warps swept")
     args = ap.parse_args(argv)
     global _CUDA
     dev = torch.device(args.device)
@@ -133,9 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     read_dev = device_ms(lambda: g.sum(), 50)
     read_wall = 1e3 * statistics.median(wall(lambda: g.sum(), None, 50, 5))
     copy_dev = device_ms(lambda: copy_dst.copy_(g), 50)
-    print(f"read pass g.sum(): {read_dev * 1e3:.1f} us device time ({4 * n / read_dev / 1e9:.0f} GB/s), "
+    print(f"read pass g.sum(): {read_dev * 1e3:.1f} us device time ({4 * n / read_dev / 1e6:.0f} GB/s), "
           f"{read_wall * 1e3:.1f} us synchronised wall time; copy: {copy_dev * 1e3:.1f} us "
-          f"({8 * n / copy_dev / 1e9:.0f} GB/s read + write)\n")
+          f"({8 * n / copy_dev / 1e6:.0f} GB/s read + write)\n")
+    if args.profile:
+        profile(g, r0, residual, dense, sbuf, oi, ov, m, args.density, read_dev)
+        return 0
 
     rows: list[dict] = []
 

@@ -13,16 +13,19 @@ Stages (each writes what it saw; a failing stage does not stop the next):
   a probe of NCCL with two ranks on the one GPU (NCCL refuses that);
 * ``bench``: benchmarks/bench_gpu.py (compress + decompress of a 25 M-element CUDA gradient as
   multiples of a GPU read pass);
+* ``profile`` (not in the default list): ``bench_gpu.py --profile``, per-kernel device times and
+  ef_select's launch settings swept, into profile.txt;
 * ``horovod``: builds Horovod 0.28.1 with CUDA from the sdist (``--sdist``, no download) with the
   project's fixes (scripts/build_horovod.py), started in the background at the beginning on cores
-  of its own, then ``horovodrun --check-build`` and tests/test_cuda_hvd.py (2 Horovod ranks on the one
-  GPU, every compression object). The build has CUDA support and uses NCCL for alltoall only, so
+  of its own (Horovod's setup needs ``cffi``: ``--wheels DIR`` installs it from wheels in DIR),
+  then ``horovodrun --check-build`` and tests/test_cuda_hvd.py (2 Horovod ranks on the one GPU,
+  every compression object). The build has CUDA support and uses NCCL for alltoall only, so
   CUDA tensors' allreduce, allgather and broadcast go through host memory over Gloo: two ranks can
   share one GPU, which NCCL refuses.
 
 Files written under OUT: summary.md, results.json, tests.txt, bench_gpu.txt, bench_gpu.json,
-horovod.txt. ``--deadline`` (seconds from the start) stops the build and skips stages that would
-start after it, so that the command ends inside a time limit.
+profile.txt, horovod.txt. ``--deadline`` (seconds from the start) stops the build and skips stages
+that would start after it, so that the command ends inside a time limit.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("env", "tests", "bench", "horovod")
+STAGES = ("env", "tests", "bench", "profile", "horovod")
+TEST_GROUPS = ("cuda_unit", "ddp_one_gpu")
 T0 = time.monotonic()
 
 
@@ -159,7 +163,7 @@ def nccl_probe(out: Path) -> dict[str, Any]:
     return {"rcs": rcs, "lines": lines[:6]}
 
 
-def stage_tests(out: Path, deadline: float, cpu: str) -> dict[str, Any]:
+def stage_tests(out: Path, deadline: float, cpu: str, which: list[str]) -> dict[str, Any]:
     py = sys.executable
     xdist = ["-n", "4"] if _has_module("xdist") else []
     res: dict[str, Any] = {}
@@ -169,6 +173,8 @@ def stage_tests(out: Path, deadline: float, cpu: str) -> dict[str, Any]:
         "ddp_one_gpu": ["tests/test_ddp_hook.py", "-k", "gloo_two_ranks_on_one_gpu or nccl"],
     }
     for name, args in groups.items():
+        if name not in which:
+            continue
         left = deadline - elapsed()
         if left < 60:
             res[name] = {"rc": "skipped: deadline"}
@@ -206,6 +212,14 @@ def stage_bench(outdir: Path, deadline: float, cpu: str) -> dict[str, Any]:
     return r
 
 
+def stage_profile(outdir: Path, deadline: float, cpu: str) -> dict[str, Any]:
+    left = deadline - elapsed()
+    if left < 60:
+        return {"rc": "skipped: deadline"}
+    log("profile: benchmarks/bench_gpu.py --profile")
+    return run([sys.executable, "benchmarks/bench_gpu.py", "--profile"], outdir / "profile.txt", left, cores=cpu)
+
+
 # ------------------------------------------------------------------------------------------- horovod
 
 def _nccl_paths() -> tuple[str, str] | None:
@@ -221,11 +235,17 @@ def _nccl_paths() -> tuple[str, str] | None:
     return None
 
 
-def start_horovod_build(outdir: Path, sdist: Path, work: Path, cpu: str, jobs: int) -> tuple[subprocess.Popen | None,
-                                                                                            dict[str, Any]]:
+def start_horovod_build(outdir: Path, sdist: Path, work: Path, cpu: str, jobs: int,
+                        wheels: str | None) -> tuple[subprocess.Popen | None, dict[str, Any]]:
     import torch
 
     info: dict[str, Any] = {}
+    if not _has_module("cffi"):  # Horovod's setup_requires; with no index it must come from wheels
+        if wheels is None:
+            info["error"] = "cffi is missing (Horovod's setup needs it): pass --wheels DIR holding its wheel"
+            return None, info
+        info["cffi"] = run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
+                            "cffi"], outdir / "horovod.txt", 120)
     if not sdist.is_file():
         info["error"] = f"no sdist at {sdist.name} (pass --sdist)"
         return None, info
@@ -321,9 +341,13 @@ def write_summary(outdir: Path, results: dict[str, Any]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="folder for the results (created)")
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ", ".join(STAGES))
+    ap.add_argument("--stages", default="env,tests,bench,horovod",
+                    help="comma-separated subset of " + ", ".join(STAGES))
     ap.add_argument("--sdist", default=None, help="Horovod 0.28.1 sdist (default: $CROSSOVER_CACHE/sdist or "
                                                   "~/.cache/crossover/sdist)")
+    ap.add_argument("--wheels", default=None, help="folder of wheels for what the Horovod build needs (cffi)")
+    ap.add_argument("--test-groups", default=",".join(TEST_GROUPS), help="comma-separated subset of "
+                    + ", ".join(TEST_GROUPS))
     ap.add_argument("--deadline", type=float, default=540, help="seconds from the start (default %(default)s)")
     ap.add_argument("--test-cores", default="0-5", help="cores for tests and benchmarks (default %(default)s)")
     ap.add_argument("--build-cores", default="6-15", help="cores for the Horovod build (default %(default)s)")
@@ -346,7 +370,8 @@ def main() -> int:
         cache = Path(os.environ.get("CROSSOVER_CACHE", Path.home() / ".cache" / "crossover"))
         sdist = Path(args.sdist) if args.sdist else cache / "sdist" / "horovod-0.28.1.tar.gz"
         lo, _, hi = build_cpu.partition("-")
-        proc, hinfo = start_horovod_build(outdir, sdist, work, build_cpu, max(1, int(hi) - int(lo) + 1))
+        proc, hinfo = start_horovod_build(outdir, sdist, work, build_cpu, max(1, int(hi) - int(lo) + 1),
+                                          args.wheels)
     try:
         if "env" in stages:
             log("env")
@@ -356,9 +381,12 @@ def main() -> int:
                 results["env"] = {"error": f"{type(e).__name__}: {e}"}
             log(json.dumps(results["env"]))
         if "tests" in stages:
-            results["tests"] = stage_tests(outdir / "tests.txt", args.deadline, test_cpu)
+            results["tests"] = stage_tests(outdir / "tests.txt", args.deadline, test_cpu,
+                                           args.test_groups.split(","))
         if "bench" in stages:
             results["bench"] = stage_bench(outdir, args.deadline, test_cpu)
+        if "profile" in stages:
+            results["profile"] = stage_profile(outdir, args.deadline, test_cpu)
         if "horovod" in stages:
             results["horovod"] = finish_horovod(proc, hinfo, outdir, args.deadline, test_cpu)
     finally:

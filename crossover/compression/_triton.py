@@ -27,6 +27,8 @@ import triton.language as tl
 __all__ = ["ef_accumulate", "ef_select", "sample_abs", "sumsq", "quantize", "dequantize_levels", "unpack", "self_test"]
 
 BLOCK = 4096  # elements per program of the dense kernels
+SELECT_BLOCK = 4096  # elements per program of ef_select's two kernels (a multiple of 32)
+SELECT_WARPS = 4
 GROUPS = 256  # groups of 8 elements per program of the quantizer kernels (2048 elements)
 _NO_FMA = {"enable_fp_fusion": False}  # separate float32 multiply and add, as the C kernels
 
@@ -91,8 +93,8 @@ def _select_write_kernel(a_ptr, cnt_ptr, end_ptr, bits_ptr, cap, oidx_ptr, oval_
     words = tl.load(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(tl.uint32,
                                                                                              bitcast=True)
     lanes = tl.arange(0, 32).to(tl.uint32)
-    hits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BLOCK,)).to(tl.int64)
-    pos = base + tl.cumsum(hits, axis=0) - 1
+    hits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BLOCK,)).to(tl.int32)
+    pos = base + tl.cumsum(hits, axis=0).to(tl.int64) - 1
     sel = (hits != 0) & (pos < cap)
     acc = tl.load(a_ptr + offs, mask=sel, other=0.0)
     tl.store(oidx_ptr + pos, offs.to(tl.int32), mask=sel)
@@ -147,15 +149,17 @@ def ef_select(g: torch.Tensor, r: torch.Tensor | None, thr: float, out_idx: torc
     n, cap = g.numel(), out_idx.numel()
     if n == 0:
         return 0, 0, 0.0, 0.0, 0.0
-    nb = _blocks(n)
+    block, warps = SELECT_BLOCK, SELECT_WARPS
+    nb = triton.cdiv(n, block)
     cnt = torch.empty(nb, dtype=torch.int32, device=g.device)
-    bits = torch.empty(nb * (BLOCK // 32), dtype=torch.int32, device=g.device)
+    bits = torch.empty(nb * (block // 32), dtype=torch.int32, device=g.device)
     part = torch.empty((3, nb), dtype=torch.float64, device=g.device)  # sum acc^2, picked^2, g^2 per block
     has_res = r is not None
-    _select_count_kernel[(nb,)](g, r if has_res else g, n, thr, cnt, bits, part, nb, HAS_RES=has_res, BLOCK=BLOCK)
+    _select_count_kernel[(nb,)](g, r if has_res else g, n, thr, cnt, bits, part, nb, HAS_RES=has_res, BLOCK=block,
+                                num_warps=warps)
     end = torch.cumsum(cnt, 0)  # int64: inclusive scan
     _select_write_kernel[(nb,)](r if has_res else g, cnt, end, bits, cap, out_idx, out_val, part, nb,
-                                HAS_RES=has_res, BLOCK=BLOCK)
+                                HAS_RES=has_res, BLOCK=block, num_warps=warps)
     sums = part.sum(dim=1)
     qual = end[-1:].to(torch.float64)  # exact below 2**53
     acc_sq, sel_sq, g_sq, q = torch.cat([sums, qual]).tolist()  # the one device-to-host copy

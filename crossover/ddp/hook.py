@@ -79,12 +79,19 @@ def _allreduce_mean(buf: torch.Tensor, group: Any) -> Future:
 
 
 def _raise_errors(fut: Future) -> None:
-    """Re-raise the error of a future, or of any future it collected."""
+    """Re-raise the error of a future, or of any future it collected, and order the current CUDA stream
+    after the collected ones.
+
+    A callback of ``collect_all`` is synchronised with the collecting future only, which holds no CUDA
+    events: without ``wait()`` on each collected future (completed: it returns at once, having made the
+    current streams wait for its events) the callback could read a CUDA payload before the collective
+    had written it. Seen on one GPU with Gloo: QSGD's decoded gradients differed between ranks.
+    """
     value = fut.value()
     if isinstance(value, list):
         for f in value:
             if isinstance(f, torch.futures.Future):
-                f.value()
+                f.wait()
 
 
 class _Engine:
