@@ -105,12 +105,12 @@ def profile(g, r0, residual, dense, sbuf, oi, ov, m: int, density: float, read_d
         print(table, flush=True)
 
     k_s = min(m, max(1, int(round(density * m))))
-    thr = float(torch.kthvalue(g[:: n // m].abs().cpu(), m - k_s + 1).values)
+    thr = torch.kthvalue(g[:: n // m].abs().cpu(), m - k_s + 1).values.reshape(1).to(g.device)
     state = {"c": 0}
 
     def topk(res=None) -> None:
         K.sample_abs(g, res, m, sbuf)
-        t = K.threshold_for_density(sbuf, density)
+        t = K.threshold_tensor(sbuf, density)
         state["c"] = K.ef_select(g, res, t, oi, ov)[0]
         K.zero_scatter(dense, oi[:state["c"]], ov[:state["c"]])
 
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             setup = restore if ef else None
             state = {"c": 0}
 
-            def compress(res=res, state=state) -> None:
+            def compress(res=res, state=state) -> None:  # as the top-k selectors do it (threshold on the device)
                 K.sample_abs(g, res, m, sbuf)
-                thr = K.threshold_for_density(sbuf, args.density)
+                thr = K.threshold_tensor(sbuf, args.density) if _CUDA else K.threshold_for_density(sbuf, args.density)
                 state["c"] = K.ef_select(g, res, thr, oi, ov)[0]
 
             def decompress(state=state) -> None:
@@ -271,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
             row(f"{tag} compress + decompress{sfx}", both, "topk", setup, target=TOPK_TARGET,
                 note=lambda state=state: f"selected {state['c']:,} = {state['c'] / n:.3%}")
 
-        thr_fixed = float(torch.kthvalue(g[:: n // m].abs().cpu(), m - int(m * args.density)).values)
+        thr_fixed = torch.kthvalue(g[:: n // m].abs().cpu(), m - int(m * args.density)).values.reshape(1).to(dev)
 
         def threshold_gpu() -> None:
             K.sample_abs(g, None, m, sbuf)
             K.threshold_for_density(sbuf, args.density)
+
+        def threshold_dev() -> None:
+            K.sample_abs(g, None, m, sbuf)
+            K.threshold_tensor(sbuf, args.density)
 
         def threshold_host() -> None:
             K.sample_abs(g, None, m, sbuf)
@@ -286,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             kk = min(m, max(1, int(round(args.density * m))))
             float(torch.sort(sbuf).values[m - kk])
 
-        row(f"sample_abs {m:,} + threshold_for_density on the GPU{sfx}", threshold_gpu, "parts")
+        row(f"sample_abs {m:,} + threshold_tensor (stays on the GPU){sfx}", threshold_dev, "parts")
+        row(f"sample_abs {m:,} + threshold_for_density on the GPU (to a float){sfx}", threshold_gpu, "parts")
         row(f"sample_abs {m:,} + threshold by torch.sort on the GPU{sfx}", threshold_sort, "parts")
         row(f"sample_abs {m:,} + threshold_for_density on a host copy{sfx}", threshold_host, "parts")
         row(f"ef_select alone (threshold given){sfx}", lambda: K.ef_select(g, None, thr_fixed, oi, ov), "parts")

@@ -83,10 +83,30 @@ def build_env(with_tf: bool) -> dict[str, str]:
         if shutil.which("nvcc") and nccl and torch_has_cuda():
             env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
     env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    # Fix 5: GCC >= 13 no longer pulls <string>/<stdexcept>/<cstdint> in through other headers, and
+    # Horovod's sources relied on that (group_table.h: "'string' is not a member of 'std'").
+    if gcc_major() >= 13:
+        env["CXXFLAGS"] = " ".join(x for x in (env.get("CXXFLAGS", ""), "-include cstdint -include string "
+                                                                         "-include stdexcept") if x)
     # Fix 2: CMake >= 4 refuses the cmake_minimum_required(<3.5) in Horovod's bundled gloo.
     env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
     env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
     return env
+
+
+def gcc_major() -> int:
+    """Major version of the C++ compiler when it is GCC ($CXX, else g++), else 0."""
+    cxx = shutil.which(os.environ.get("CXX") or "g++")
+    if not cxx:
+        return 0
+    out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True)
+    ident = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    if out.returncode != 0 or "clang" in ident.lower():
+        return 0
+    try:
+        return int(out.stdout.strip().split(".")[0])
+    except ValueError:
+        return 0
 
 
 def torch_has_cuda() -> bool:

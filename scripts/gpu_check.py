@@ -48,7 +48,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("env", "tests", "bench", "profile", "horovod")
-TEST_GROUPS = ("cuda_unit", "ddp_one_gpu")
+TEST_GROUPS = ("cuda_unit", "ddp_one_gpu", "ddp_diagnosis")
 T0 = time.monotonic()
 
 
@@ -163,6 +163,19 @@ def nccl_probe(out: Path) -> dict[str, Any]:
     return {"rcs": rcs, "lines": lines[:6]}
 
 
+_DDP_DIAGNOSIS = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, "tests")
+    from ddp_harness import run_ddp
+    import test_ddp_hook as t
+    for sync, env in ((True, {}), (False, {}), (False, {"CUDA_LAUNCH_BLOCKING": "1"}),
+                      (False, {"CROSSOVER_NO_TRITON": "1"})):
+        r0, r1 = run_ddp(t.job_gloo_one_gpu, args=(10, ["qsgd", "dqsgd", "topk"], sync), env=env, timeout=200)
+        same = {k: r0["checksums"][k] == r1["checksums"][k] for k in r0["checksums"]}
+        print("DIAG", json.dumps({"gloo_cuda_sync": sync, "env": env, "ranks_equal": same}), flush=True)
+""")
+
+
 def stage_tests(out: Path, deadline: float, cpu: str, which: list[str]) -> dict[str, Any]:
     py = sys.executable
     xdist = ["-n", "4"] if _has_module("xdist") else []
@@ -183,6 +196,12 @@ def stage_tests(out: Path, deadline: float, cpu: str, which: list[str]) -> dict[
         r = run([py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args], out, min(left, 420), cores=cpu)
         r["summary"] = next((ln for ln in reversed(r["tail"]) if re.search(r"passed|failed|error|skipped", ln)), "")
         res[name] = r
+    if "ddp_diagnosis" in which and deadline - elapsed() > 120:
+        log("tests: ddp_diagnosis (the hook's Gloo + CUDA synchronisation on and off)")
+        r = run([py, "-c", _DDP_DIAGNOSIS], out, min(deadline - elapsed(), 300), cores=cpu)
+        text = out.read_text(errors="replace")
+        r["lines"] = [ln[5:] for ln in text.splitlines() if ln.startswith("DIAG ")][-4:]
+        res["ddp_diagnosis"] = r
     if deadline - elapsed() > 60:
         log("tests: NCCL probe")
         res["nccl_two_ranks_one_gpu"] = nccl_probe(out)

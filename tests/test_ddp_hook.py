@@ -536,12 +536,17 @@ def test_nccl_two_gpus():
             assert r["stats"][name]["bytes_sent"] < r["stats"][name]["bytes_dense"], name
 
 
-def job_gloo_one_gpu(steps: int) -> dict:
+def job_gloo_one_gpu(steps: int, only: list[str] | None = None, gloo_cuda_sync: bool = True) -> dict:
     """Both ranks on the one GPU over Gloo (NCCL refuses two ranks of a group on one device): the hook on
     CUDA tensors. Compression off equals DDP bitwise; every compressed variant keeps its gradients on the
-    GPU, finite, identical on both ranks (checksums), and sends fewer bytes than dense."""
+    GPU, finite, identical on both ranks (checksums), and sends fewer bytes than dense. `only` keeps
+    some variants ("off" always runs); `gloo_cuda_sync=False` turns the hook's synchronisation for Gloo
+    with CUDA tensors off (scripts/gpu_check.py's diagnosis)."""
     import torch.distributed as dist
 
+    from crossover.ddp import hook
+
+    hook.GLOO_CUDA_SYNC = gloo_cuda_sync
     dev = torch.device("cuda", 0)
     base = _mlp().to(dev)
     plain = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)
@@ -552,6 +557,8 @@ def job_gloo_one_gpu(steps: int) -> dict:
                 "qsgd": {"policy": "qsgd", "bits": 4, "min_compress_numel": 1024},
                 "dqsgd": {"policy": "dqsgd", "total_steps": steps, "lr": 0.1, "min_compress_numel": 1024},
                 "fp16": {"policy": "fp16"}}
+    if only is not None:
+        variants = {k: v for k, v in variants.items() if k == "off" or k in only}
     runs = {}
     for name, settings in variants.items():
         d = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)

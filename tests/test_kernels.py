@@ -278,6 +278,19 @@ def test_threshold_for_density():
     x = torch.randn(100_000, generator=gen(10)).abs()
     thr = K.threshold_for_density(x, 0.05)
     assert int((x >= thr).sum()) == 5000
+    for s, d in ((sample, 0.01), (-sample, 0.3), (sample, 1e-9), (sample, 0.0), (torch.zeros(0), 0.5), (x, 0.05)):
+        t = K.threshold_tensor(s, d)  # the same value, as a one-element float32 tensor
+        assert t.shape == (1,) and t.dtype == torch.float32 and float(t) == K.threshold_for_density(s, d)
+
+
+def test_ef_select_takes_a_tensor_threshold(impl):
+    g, r = torch.randn(5000, generator=gen(20)), torch.randn(5000, generator=gen(21))
+    outs = []
+    for thr in (1.25, torch.tensor([1.25])):
+        res, oi, ov = r.clone(), torch.zeros(400, dtype=torch.int32), torch.zeros(400)
+        outs.append((tuple(K.ef_select(g, res, thr, oi, ov)), res, oi, ov))
+    assert outs[0][0] == outs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1:], outs[1][1:]))
 
 
 # ---------------------------------------------------------------------------------- dispatch switches

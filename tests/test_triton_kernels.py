@@ -68,7 +68,8 @@ def test_ef_select_matches_c(n, with_residual):
         oi, ov = torch.zeros(cap, dtype=torch.int32), torch.zeros(cap)
         oi_t, ov_t = _dev(oi), _dev(ov)
         want = K.ef_select(g, r_c, 1.0, oi, ov)
-        got = T.ef_select(_dev(g), r_t, 1.0, oi_t, ov_t)
+        thr = 1.0 if cap % 2 else torch.ones(1, device=DEVICE)  # a number, or a tensor on the device
+        got = T.ef_select(_dev(g), r_t, thr, oi_t, ov_t)
         assert got[:2] == tuple(want[:2])
         assert got[2:] == pytest.approx(tuple(want[2:]), rel=1e-12, nan_ok=True)
         assert _same(oi, oi_t) and _same(ov, ov_t)

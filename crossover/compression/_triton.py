@@ -7,9 +7,11 @@ pure-torch fallbacks. Each function has the semantics of the C kernel of the sam
 * sums of squares are accumulated in float64 (per block, then over blocks), so they agree with the
   C kernels to rounding (the summation order differs);
 * `ef_select` keeps the C kernel's order: qualifying elements are taken in index order until the
-  output is full (one pass over the tensor that counts per block and keeps one bit per element, an
-  exclusive scan of the counts, then a writing pass that reads those bits and only the picked
-  elements), so selections, values and residuals are bit-identical to the CPU path;
+  output is full (one pass over the tensor that counts per block and keeps one bit per element, a
+  scan of the block counts, then a writing pass that reads those bits and only the picked
+  elements), so selections, values and residuals are bit-identical to the CPU path; its threshold
+  may stay on the device (`threshold_for_density` on a CUDA sample), so that only the final counts
+  and sums come back to the host;
 * the quantizer reproduces the C arithmetic bit for bit (the same counter-based uniforms, float32
   products and sums with no fused multiply-add: kernels are launched with ``enable_fp_fusion=False``),
   so levels, packed bytes, residuals and decoded values equal the CPU's for the same seed.
@@ -57,52 +59,59 @@ def _accumulate_kernel(g_ptr, r_ptr, n, part_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_count_kernel(g_ptr, r_ptr, n, thr, cnt_ptr, bits_ptr, part_ptr, nblocks, HAS_RES: tl.constexpr,
+def _select_count_kernel(g_ptr, r_ptr, n, thr_ptr, cnt_ptr, bits_ptr, part_ptr, nblocks, HAS_RES: tl.constexpr,
                          BLOCK: tl.constexpr):
     """acc = g (+ r, written back to r); per block: qualifying count, sum acc^2, sum g^2, and one bit per
-    element (|acc| >= thr) so that the writing pass need not read the tensor again."""
+    element (|acc| >= thr) so that the writing pass need not read the tensor again. The block is seen
+    as BLOCK // 32 words of 32 lanes (2-D: no reshape, no block-wide scan)."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.arange(0, BLOCK // 32)
+    lanes = tl.arange(0, 32)
+    offs = pid.to(tl.int64) * BLOCK + words[:, None] * 32 + lanes[None, :]
     m = offs < n
+    thr = tl.load(thr_ptr)
     g = tl.load(g_ptr + offs, mask=m, other=0.0)
     if HAS_RES:
         acc = g + tl.load(r_ptr + offs, mask=m, other=0.0)
         tl.store(r_ptr + offs, acc, mask=m)
         gd = g.to(tl.float64)
-        tl.store(part_ptr + 2 * nblocks + pid, tl.sum(gd * gd, axis=0))
+        tl.store(part_ptr + 2 * nblocks + pid, tl.sum(tl.sum(gd * gd, axis=1), axis=0))
     else:
         acc = g
     a = acc.to(tl.float64)
-    tl.store(part_ptr + pid, tl.sum(a * a, axis=0))
-    hits = ((tl.abs(acc) >= thr) & m).to(tl.uint32)
-    tl.store(cnt_ptr + pid, tl.sum(hits.to(tl.int32), axis=0))
-    lanes = tl.arange(0, 32).to(tl.uint32)
-    words = tl.sum(tl.reshape(hits, (BLOCK // 32, 32)) << lanes[None, :], axis=1)  # disjoint bits
-    tl.store(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32),
-             words.to(tl.uint32).to(tl.int32, bitcast=True))
+    tl.store(part_ptr + pid, tl.sum(tl.sum(a * a, axis=1), axis=0))
+    hits = ((tl.abs(acc) >= thr) & m).to(tl.int32)
+    count = tl.sum(tl.sum(hits, axis=1), axis=0)
+    tl.store(cnt_ptr + pid, count)
+    tl.store(part_ptr + 3 * nblocks + pid, count.to(tl.float64))
+    packed = tl.sum(hits.to(tl.uint32) << lanes.to(tl.uint32)[None, :], axis=1)  # disjoint bits
+    tl.store(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + words, packed.to(tl.int32, bitcast=True))
 
 
 @triton.jit
 def _select_write_kernel(a_ptr, cnt_ptr, end_ptr, bits_ptr, cap, oidx_ptr, oval_ptr, part_ptr, nblocks,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     """Write the block's qualifying elements at their place in index order (those before `cap`),
-    reading the tensor only where an element was picked."""
+    reading the tensor only where an element was picked: position = elements before the block + set
+    bits in earlier words of the block + set bits below this lane."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    base = tl.load(end_ptr + pid) - tl.load(cnt_ptr + pid)  # exclusive scan of the counts
-    words = tl.load(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(tl.uint32,
-                                                                                             bitcast=True)
-    lanes = tl.arange(0, 32).to(tl.uint32)
-    hits = tl.reshape((words[:, None] >> lanes[None, :]) & 1, (BLOCK,)).to(tl.int32)
-    pos = base + tl.cumsum(hits, axis=0).to(tl.int64) - 1
+    words = tl.arange(0, BLOCK // 32)
+    lanes = tl.arange(0, 32)
+    base = (tl.load(end_ptr + pid) - tl.load(cnt_ptr + pid)).to(tl.int64)  # exclusive scan of the counts
+    w = tl.load(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + words).to(tl.uint32, bitcast=True)
+    hits = ((w[:, None] >> lanes.to(tl.uint32)[None, :]) & 1).to(tl.int32)
+    per_word = tl.sum(hits, axis=1)
+    before = tl.cumsum(per_word, axis=0) - per_word
+    pos = base + (before[:, None] + tl.cumsum(hits, axis=1) - 1).to(tl.int64)
     sel = (hits != 0) & (pos < cap)
+    offs = pid.to(tl.int64) * BLOCK + words[:, None] * 32 + lanes[None, :]
     acc = tl.load(a_ptr + offs, mask=sel, other=0.0)
     tl.store(oidx_ptr + pos, offs.to(tl.int32), mask=sel)
     tl.store(oval_ptr + pos, acc, mask=sel)
     if HAS_RES:
         tl.store(a_ptr + offs, tl.zeros_like(acc), mask=sel)
     a = acc.to(tl.float64)  # 0 where not picked
-    tl.store(part_ptr + nblocks + pid, tl.sum(a * a, axis=0))
+    tl.store(part_ptr + nblocks + pid, tl.sum(tl.sum(a * a, axis=1), axis=0))
 
 
 @triton.jit
@@ -143,26 +152,30 @@ def ef_accumulate(g: torch.Tensor, r: torch.Tensor) -> float:
     return float(part.sum())
 
 
-def ef_select(g: torch.Tensor, r: torch.Tensor | None, thr: float, out_idx: torch.Tensor,
+def ef_select(g: torch.Tensor, r: torch.Tensor | None, thr: float | torch.Tensor, out_idx: torch.Tensor,
               out_val: torch.Tensor) -> tuple[int, int, float, float, float]:
-    """kernels.ef_select on CUDA: (count, qualifying, sum acc^2, sum picked^2, sum g^2)."""
+    """kernels.ef_select on CUDA: (count, qualifying, sum acc^2, sum picked^2, sum g^2).
+
+    `thr` may be a one-element float32 tensor on the device (no host round trip before the passes).
+    """
     n, cap = g.numel(), out_idx.numel()
     if n == 0:
         return 0, 0, 0.0, 0.0, 0.0
+    if not isinstance(thr, torch.Tensor):
+        thr = torch.tensor([thr], dtype=torch.float32, device=g.device)
     block, warps = SELECT_BLOCK, SELECT_WARPS
     nb = triton.cdiv(n, block)
     cnt = torch.empty(nb, dtype=torch.int32, device=g.device)
     bits = torch.empty(nb * (block // 32), dtype=torch.int32, device=g.device)
-    part = torch.empty((3, nb), dtype=torch.float64, device=g.device)  # sum acc^2, picked^2, g^2 per block
+    # per block: sum acc^2, sum picked^2, sum g^2 (written with a residual only), qualifying count (exact)
+    part = torch.empty((4, nb), dtype=torch.float64, device=g.device)
     has_res = r is not None
     _select_count_kernel[(nb,)](g, r if has_res else g, n, thr, cnt, bits, part, nb, HAS_RES=has_res, BLOCK=block,
                                 num_warps=warps)
-    end = torch.cumsum(cnt, 0)  # int64: inclusive scan
+    end = torch.cumsum(cnt, 0, dtype=torch.int32)  # inclusive scan (n < 2**31)
     _select_write_kernel[(nb,)](r if has_res else g, cnt, end, bits, cap, out_idx, out_val, part, nb,
                                 HAS_RES=has_res, BLOCK=block, num_warps=warps)
-    sums = part.sum(dim=1)
-    qual = end[-1:].to(torch.float64)  # exact below 2**53
-    acc_sq, sel_sq, g_sq, q = torch.cat([sums, qual]).tolist()  # the one device-to-host copy
+    acc_sq, sel_sq, g_sq, q = part.cpu().sum(dim=1).tolist()  # the one device-to-host copy
     q = int(q)
     return min(q, cap), q, acc_sq, sel_sq, g_sq if has_res else acc_sq
 

@@ -251,9 +251,12 @@ class Selected(NamedTuple):
     sumsq_grad: float  # ||grad||^2 (the raw gradient, apart from the residual)
 
 
-def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float,
+def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float | torch.Tensor,
               out_idx: torch.Tensor, out_val: torch.Tensor) -> Selected:
-    """Select |grad+residual| >= threshold into out_*, in one pass over the data (see `Selected`)."""
+    """Select |grad+residual| >= threshold into out_*, in one pass over the data (see `Selected`).
+
+    `threshold` is a number, or a one-element tensor (`threshold_tensor`: on CUDA it stays on the device).
+    """
     # acc = grad + residual (residual None: acc = grad, no error feedback). Qualifying elements are
     # taken in index order until len(out_idx) are; later ones are counted, not selected. A given
     # residual becomes acc, with 0 where selected.
@@ -266,7 +269,10 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: floa
     if n > _MAX_NUMEL:
         raise ValueError(f"{n} elements do not fit int32 indices")
     lib = _lib_if_enabled()
+    if isinstance(threshold, torch.Tensor) and threshold.device.type == "cpu":
+        threshold = float(threshold.reshape(-1)[0])
     if lib is not None and _f32(grad, residual, out_val) and _cpu_contig(out_idx, torch.int32):
+        threshold = float(threshold)
         counts = (ctypes.c_int64 * 2)()
         sums = (ctypes.c_double * 3)()
         lib.cx_ef_select(grad.data_ptr(), _ptr(residual), n, float(threshold), out_idx.data_ptr(),
@@ -274,7 +280,11 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: floa
         return Selected(int(counts[0]), int(counts[1]), float(sums[0]), float(sums[1]), float(sums[2]))
     gpu = _gpu(grad, residual, out_idx, out_val)
     if gpu is not None and _all_f32(grad, residual, out_val) and out_idx.dtype == torch.int32:
-        return Selected(*gpu.ef_select(grad, residual, float(threshold), out_idx, out_val))
+        thr = threshold if not isinstance(threshold, torch.Tensor) else \
+            threshold.to(device=grad.device, dtype=torch.float32).reshape(1)
+        return Selected(*gpu.ef_select(grad, residual, thr, out_idx, out_val))
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.to(device=grad.device, dtype=torch.float32).reshape(())
     sumsq_grad = _sumsq_torch(grad) if residual is not None else None
     acc = grad if residual is None else residual.add_(grad)
     hits = (acc.abs() >= threshold).nonzero().flatten()
@@ -437,6 +447,20 @@ def random_indices(numel: int, k: int, seed: int, out_idx: torch.Tensor) -> None
     lo = (j - 1) * numel // k
     hi = j * numel // k
     out_idx[:k].copy_(lo + ((_srl(z, 32) * (hi - lo)) >> 32))
+
+
+def threshold_tensor(sample: torch.Tensor, density: float) -> torch.Tensor:
+    """`threshold_for_density` as a one-element float32 tensor on the sample's device, with no host sync.
+
+    On CUDA the threshold then goes straight into `ef_select`'s kernels: the host does not wait for the
+    order statistic before it launches the selection.
+    """
+    x = sample.reshape(-1)
+    n = x.numel()
+    if n == 0 or density <= 0:
+        return torch.full((1,), float("inf"), dtype=torch.float32, device=sample.device)
+    k = min(n, max(1, int(round(density * n))))
+    return torch.kthvalue(x.abs(), n - k + 1).values.reshape(1).to(torch.float32)
 
 
 def threshold_for_density(sample: torch.Tensor, density: float) -> float:

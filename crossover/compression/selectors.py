@@ -73,10 +73,12 @@ class Selector:
         kernels.sample_abs(grad, residual, n, out)
         return out
 
-    def _threshold(self, sample: torch.Tensor, density: float) -> float:
+    def _threshold(self, sample: torch.Tensor, density: float) -> float | torch.Tensor:
+        if sample.device.type != "cpu":  # stays on the device: no host round trip before the selection
+            return kernels.threshold_tensor(sample, density)
         return kernels.threshold_for_density(sample, density)
 
-    def _select_ge(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, thr: float,
+    def _select_ge(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, thr: float | torch.Tensor,
                    cap: int) -> tuple[int, Selection]:
         """Elements with |acc| >= thr (at most cap): (how many, the selection)."""
         idx = self.buffers.get(key, "idx", cap, torch.int32, grad.device)
