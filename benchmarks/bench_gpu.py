@@ -136,9 +136,10 @@ def profile(g, r0, residual, dense, sbuf, oi, ov, m: int, density: float, read_d
     print(f"\nsmall calls, synchronised wall time: Triton sumsq of 4096 elements (1 Triton launch + sum + float) "
           f"{launch * 1e3:.1f} us; torch sum {torch_op * 1e3:.1f} us; torch sum + float() {item * 1e3:.1f} us")
 
-    print("\nef_select (no EF, threshold given): block size and warps; device time of 20 calls' median, and "
+    print("\nef_select (no EF, threshold given): block size and warps (the writing pass in chunks of "
+          f"{T.SELECT_CHUNK}, then other chunks); device time of 20 calls' median, and "
           "synchronised wall time")
-    saved = T.SELECT_BLOCK, T.SELECT_WARPS
+    saved = T.SELECT_BLOCK, T.SELECT_WARPS, T.SELECT_CHUNK
     for block in (1024, 2048, 4096, 8192, 16384):
         for warps in (4, 8, 16):
             if warps * 32 > block:
@@ -151,7 +152,13 @@ def profile(g, r0, residual, dense, sbuf, oi, ov, m: int, density: float, read_d
                       f"wall {wall_ms * 1e3:7.1f} us  ({wall_ms / read_dev:.2f}x read)", flush=True)
             except Exception as e:  # a setting that does not compile: say so, go on
                 print(f"  block {block:6d} warps {warps:2d}: {type(e).__name__}: {str(e)[:120]}")
-    T.SELECT_BLOCK, T.SELECT_WARPS = saved
+    for block, chunk in ((4096, 512), (4096, 2048), (4096, 4096), (8192, 2048)):
+        T.SELECT_BLOCK, T.SELECT_WARPS, T.SELECT_CHUNK = block, 4, chunk
+        dev_ms = device_ms(lambda: T.ef_select(g, None, thr, oi, ov), 20)
+        wall_ms = 1e3 * statistics.median(wall(lambda: T.ef_select(g, None, thr, oi, ov), None, 20, 3))
+        print(f"  block {block:6d} warps  4 chunk {chunk}: device {dev_ms * 1e3:7.1f} us  "
+              f"wall {wall_ms * 1e3:7.1f} us  ({wall_ms / read_dev:.2f}x read)", flush=True)
+    T.SELECT_BLOCK, T.SELECT_WARPS, T.SELECT_CHUNK = saved
 
 
 class _Twin:
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--sample", type=float, default=0.001, help="fraction sampled for the top-k threshold")
     ap.add_argument("--repeat", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--profile", action="store_true",

@@ -31,6 +31,7 @@ __all__ = ["ef_accumulate", "ef_select", "sample_abs", "sumsq", "quantize", "deq
 BLOCK = 4096  # elements per program of the dense kernels
 SELECT_BLOCK = 4096  # elements per program of ef_select's two kernels (a multiple of 32)
 SELECT_WARPS = 4
+SELECT_CHUNK = 1024  # elements the writing pass handles at a time within its block
 GROUPS = 256  # groups of 8 elements per program of the quantizer kernels (2048 elements)
 _NO_FMA = {"enable_fp_fusion": False}  # separate float32 multiply and add, as the C kernels
 
@@ -90,28 +91,33 @@ def _select_count_kernel(g_ptr, r_ptr, n, thr_ptr, cnt_ptr, bits_ptr, part_ptr, 
 
 @triton.jit
 def _select_write_kernel(a_ptr, cnt_ptr, end_ptr, bits_ptr, cap, oidx_ptr, oval_ptr, part_ptr, nblocks,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Write the block's qualifying elements at their place in index order (those before `cap`),
     reading the tensor only where an element was picked: position = elements before the block + set
-    bits in earlier words of the block + set bits below this lane."""
+    bits in earlier words + set bits below this lane. The block is walked CHUNK elements at a time (few
+    registers per thread: more programs in flight to hide the latency of the dependent loads)."""
     pid = tl.program_id(0)
-    words = tl.arange(0, BLOCK // 32)
+    words = tl.arange(0, CHUNK // 32)
     lanes = tl.arange(0, 32)
-    base = (tl.load(end_ptr + pid) - tl.load(cnt_ptr + pid)).to(tl.int64)  # exclusive scan of the counts
-    w = tl.load(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + words).to(tl.uint32, bitcast=True)
-    hits = ((w[:, None] >> lanes.to(tl.uint32)[None, :]) & 1).to(tl.int32)
-    per_word = tl.sum(hits, axis=1)
-    before = tl.cumsum(per_word, axis=0) - per_word
-    pos = base + (before[:, None] + tl.cumsum(hits, axis=1) - 1).to(tl.int64)
-    sel = (hits != 0) & (pos < cap)
-    offs = pid.to(tl.int64) * BLOCK + words[:, None] * 32 + lanes[None, :]
-    acc = tl.load(a_ptr + offs, mask=sel, other=0.0)
-    tl.store(oidx_ptr + pos, offs.to(tl.int32), mask=sel)
-    tl.store(oval_ptr + pos, acc, mask=sel)
-    if HAS_RES:
-        tl.store(a_ptr + offs, tl.zeros_like(acc), mask=sel)
-    a = acc.to(tl.float64)  # 0 where not picked
-    tl.store(part_ptr + nblocks + pid, tl.sum(tl.sum(a * a, axis=1), axis=0))
+    base = tl.load(end_ptr + pid) - tl.load(cnt_ptr + pid)  # exclusive scan of the counts (int32: n < 2**31)
+    sq = tl.zeros((CHUNK // 32, 32), dtype=tl.float64)
+    for c in tl.static_range(BLOCK // CHUNK):
+        w = tl.load(bits_ptr + pid.to(tl.int64) * (BLOCK // 32) + c * (CHUNK // 32) + words)
+        hits = ((w.to(tl.uint32, bitcast=True)[:, None] >> lanes.to(tl.uint32)[None, :]) & 1).to(tl.int32)
+        per_word = tl.sum(hits, axis=1)
+        before = tl.cumsum(per_word, axis=0) - per_word
+        pos = base + before[:, None] + tl.cumsum(hits, axis=1) - 1
+        sel = (hits != 0) & (pos < cap)
+        offs = pid.to(tl.int64) * BLOCK + c * CHUNK + words[:, None] * 32 + lanes[None, :]
+        acc = tl.load(a_ptr + offs, mask=sel, other=0.0)
+        tl.store(oidx_ptr + pos, offs.to(tl.int32), mask=sel)
+        tl.store(oval_ptr + pos, acc, mask=sel)
+        if HAS_RES:
+            tl.store(a_ptr + offs, tl.zeros_like(acc), mask=sel)
+        a = acc.to(tl.float64)  # 0 where not picked
+        sq += a * a
+        base += tl.sum(per_word, axis=0)
+    tl.store(part_ptr + nblocks + pid, tl.sum(tl.sum(sq, axis=1), axis=0))
 
 
 @triton.jit
@@ -174,7 +180,7 @@ def ef_select(g: torch.Tensor, r: torch.Tensor | None, thr: float | torch.Tensor
                                 num_warps=warps)
     end = torch.cumsum(cnt, 0, dtype=torch.int32)  # inclusive scan (n < 2**31)
     _select_write_kernel[(nb,)](r if has_res else g, cnt, end, bits, cap, out_idx, out_val, part, nb,
-                                HAS_RES=has_res, BLOCK=block, num_warps=warps)
+                                HAS_RES=has_res, BLOCK=block, CHUNK=min(SELECT_CHUNK, block), num_warps=warps)
     acc_sq, sel_sq, g_sq, q = part.cpu().sum(dim=1).tolist()  # the one device-to-host copy
     q = int(q)
     return min(q, cap), q, acc_sq, sel_sq, g_sq if has_res else acc_sq
