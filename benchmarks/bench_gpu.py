@@ -158,6 +158,13 @@ def profile(g, r0, residual, dense, sbuf, oi, ov, m: int, density: float, read_d
         wall_ms = 1e3 * statistics.median(wall(lambda: T.ef_select(g, None, thr, oi, ov), None, 20, 3))
         print(f"  block {block:6d} warps  4 chunk {chunk}: device {dev_ms * 1e3:7.1f} us  "
               f"wall {wall_ms * 1e3:7.1f} us  ({wall_ms / read_dev:.2f}x read)", flush=True)
+    print("ef_select with error feedback (threshold given), the same way:")
+    for block, warps in ((4096, 4), (8192, 4), (16384, 4), (16384, 8)):
+        T.SELECT_BLOCK, T.SELECT_WARPS, T.SELECT_CHUNK = block, warps, 1024
+        dev_ms = device_ms(lambda: T.ef_select(g, residual, thr, oi, ov), 20)
+        wall_ms = 1e3 * statistics.median(wall(lambda: T.ef_select(g, residual, thr, oi, ov), restore, 20, 3))
+        print(f"  block {block:6d} warps {warps:2d}: device {dev_ms * 1e3:7.1f} us  "
+              f"wall {wall_ms * 1e3:7.1f} us  ({wall_ms / read_dev:.2f}x read)", flush=True)
     T.SELECT_BLOCK, T.SELECT_WARPS, T.SELECT_CHUNK = saved
 
 
