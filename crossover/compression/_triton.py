@@ -29,8 +29,8 @@ import triton.language as tl
 __all__ = ["ef_accumulate", "ef_select", "sample_abs", "sumsq", "quantize", "dequantize_levels", "unpack", "self_test"]
 
 BLOCK = 4096  # elements per program of the dense kernels
-SELECT_BLOCK = 16384  # elements per program of ef_select's two kernels (a multiple of SELECT_CHUNK); with
-SELECT_WARPS = 8  # the chunked writing pass, the fastest of the settings swept on an H100 (docs/gpu.md)
+SELECT_BLOCK = 4096  # elements per program of ef_select's two kernels (a multiple of SELECT_CHUNK)
+SELECT_WARPS = 4  # 16384 elements with 8 warps led a sweep once and was slower in the full benchmark (docs/gpu.md)
 SELECT_CHUNK = 1024  # elements the writing pass handles at a time within its block
 GROUPS = 256  # groups of 8 elements per program of the quantizer kernels (2048 elements)
 _NO_FMA = {"enable_fp_fusion": False}  # separate float32 multiply and add, as the C kernels
