@@ -57,6 +57,10 @@ def module_version(name: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+GPU_OP_KEYS = ("HOROVOD_GPU_OPERATIONS", "HOROVOD_GPU_ALLREDUCE", "HOROVOD_GPU_ALLGATHER", "HOROVOD_GPU_BROADCAST",
+               "HOROVOD_GPU_ALLTOALL", "HOROVOD_GPU_REDUCESCATTER")
+
+
 def build_env(with_tf: bool) -> dict[str, str]:
     """Horovod build variables: Gloo always; MPI/NCCL only when the user or machine asks for them."""
     env = dict(os.environ)
@@ -70,16 +74,39 @@ def build_env(with_tf: bool) -> dict[str, str]:
     if "HOROVOD_WITH_MPI" not in env and "HOROVOD_WITHOUT_MPI" not in env:
         # Build MPI support only when an MPI compiler wrapper is on PATH.
         env["HOROVOD_WITH_MPI" if shutil.which("mpicxx") else "HOROVOD_WITHOUT_MPI"] = "1"
-    if "HOROVOD_GPU_OPERATIONS" not in env and "HOROVOD_GPU_ALLREDUCE" not in env:
-        # NCCL only when CUDA and NCCL are both visible; otherwise CPU ops through Gloo.
+    if not any(k in env for k in GPU_OP_KEYS):
+        # NCCL only when CUDA and NCCL are both visible and no GPU operation was chosen by the user
+        # (HOROVOD_GPU_ALLTOALL=NCCL alone, say, builds CUDA support with CUDA tensors' allreduce,
+        # allgather and broadcast staged through host memory over Gloo: several ranks can then share
+        # one GPU, which NCCL refuses); otherwise CPU ops through Gloo.
         nccl = os.environ.get("HOROVOD_NCCL_HOME") or Path("/usr/include/nccl.h").exists()
         if shutil.which("nvcc") and nccl and torch_has_cuda():
             env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
     env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    # Fix 5: GCC >= 13 no longer pulls <string>/<stdexcept>/<cstdint> in through other headers, and
+    # Horovod's sources relied on that (group_table.h: "'string' is not a member of 'std'").
+    if gcc_major() >= 13:
+        env["CXXFLAGS"] = " ".join(x for x in (env.get("CXXFLAGS", ""), "-include cstdint -include string "
+                                                                         "-include stdexcept") if x)
     # Fix 2: CMake >= 4 refuses the cmake_minimum_required(<3.5) in Horovod's bundled gloo.
     env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
     env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 2}")
     return env
+
+
+def gcc_major() -> int:
+    """Major version of the C++ compiler when it is GCC ($CXX, else g++), else 0."""
+    cxx = shutil.which(os.environ.get("CXX") or "g++")
+    if not cxx:
+        return 0
+    out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True)
+    ident = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    if out.returncode != 0 or "clang" in ident.lower():
+        return 0
+    try:
+        return int(out.stdout.strip().split(".")[0])
+    except ValueError:
+        return 0
 
 
 def torch_has_cuda() -> bool:
@@ -88,8 +115,8 @@ def torch_has_cuda() -> bool:
     return bool(out.stdout.strip())
 
 
-FLAG_KEYS = ("HOROVOD_WITH_MPI", "HOROVOD_WITHOUT_MPI", "HOROVOD_GPU_OPERATIONS",
-             "HOROVOD_GPU_ALLREDUCE", "HOROVOD_WITH_TENSORFLOW", "HOROVOD_CPU_OPERATIONS")
+FLAG_KEYS = ("HOROVOD_WITH_MPI", "HOROVOD_WITHOUT_MPI", *GPU_OP_KEYS, "HOROVOD_WITH_TENSORFLOW",
+             "HOROVOD_CPU_OPERATIONS", "HOROVOD_BUILD_CUDA_CC_LIST")
 
 
 def cache_key(torch_v: str | None, tf_v: str | None, env: dict[str, str]) -> str:
@@ -99,7 +126,7 @@ def cache_key(torch_v: str | None, tf_v: str | None, env: dict[str, str]) -> str
     return f"horovod-{HOROVOD_VERSION}-{py}-torch{torch_v or 'none'}-tf{tf_v or 'none'}-{digest}"
 
 
-def patch_sources(src: Path, with_tf: bool) -> None:
+def patch_sources(src: Path, with_tf: bool, with_cuda: bool = False) -> None:
     """Apply the fixes that make 0.28.1 build on today's stack (see docs/horovod-build.md)."""
     # Fix 1: PyTorch >= 2.1 headers need C++17; Horovod pins C++14 in two places.
     for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
@@ -108,6 +135,15 @@ def patch_sources(src: Path, with_tf: bool) -> None:
         new = text.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)")
         if new == text:
             die(f"patch 'C++17' found nothing to change in {rel}: is this Horovod {HOROVOD_VERSION}?")
+        path.write_text(new)
+    # Fix 4 (CUDA builds): Horovod compiles its CUDA kernels as C++11; the CUDA 13 toolkit's headers
+    # need C++17.
+    if with_cuda:
+        path = src / "horovod/common/ops/cuda/CMakeLists.txt"
+        text = path.read_text()
+        new = text.replace("set(CMAKE_CUDA_STANDARD 11)", "set(CMAKE_CUDA_STANDARD 17)")
+        if new == text:
+            die("patch 'CUDA C++17' found nothing to change")
         path.write_text(new)
     # Fix 3: TF 2.21 headers lack what xla_mpi_ops.cc includes; the XLA ops are optional.
     if with_tf:
@@ -135,7 +171,7 @@ def fetch_sdist(dest: Path) -> Path:
 def build_wheel(with_tf: bool, env: dict[str, str], out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="horovod-build-") as tmp:
         src = fetch_sdist(Path(tmp))
-        patch_sources(src, with_tf)
+        patch_sources(src, with_tf, with_cuda=any(env.get(k) for k in GPU_OP_KEYS))
         log("building the Horovod wheel (takes about 5 minutes on 2 cores, only the first time)")
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
                         "-w", str(out_dir), str(src)], check=True, env=env)

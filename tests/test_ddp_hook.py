@@ -534,3 +534,62 @@ def test_nccl_two_gpus():
         assert r["equal"] == 10 and r["finite"]
         for name in ("topk", "gravac", "fp16"):
             assert r["stats"][name]["bytes_sent"] < r["stats"][name]["bytes_dense"], name
+
+
+def job_gloo_one_gpu(steps: int, only: list[str] | None = None, gloo_cuda_sync: bool = True) -> dict:
+    """Both ranks on the one GPU over Gloo (NCCL refuses two ranks of a group on one device): the hook on
+    CUDA tensors. Compression off equals DDP bitwise; every compressed variant keeps its gradients on the
+    GPU, finite, identical on both ranks (checksums), and sends fewer bytes than dense. `only` keeps
+    some variants ("off" always runs); `gloo_cuda_sync=False` turns the hook's synchronisation for Gloo
+    with CUDA tensors off (scripts/gpu_check.py's diagnosis)."""
+    import torch.distributed as dist
+
+    from crossover.ddp import hook
+
+    hook.GLOO_CUDA_SYNC = gloo_cuda_sync
+    dev = torch.device("cuda", 0)
+    base = _mlp().to(dev)
+    plain = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)
+    variants = {"off": {"enabled": False},
+                "topk": {"policy": "static", "cf": 20, "min_compress_numel": 1024},
+                "randomk": {"policy": "static", "compressor": "randomk", "cf": 20, "min_compress_numel": 1024},
+                "gravac": {"cf_min": 4, "epsilon": 0.3, "window": 4, "min_compress_numel": 1024},
+                "qsgd": {"policy": "qsgd", "bits": 4, "min_compress_numel": 1024},
+                "dqsgd": {"policy": "dqsgd", "total_steps": steps, "lr": 0.1, "min_compress_numel": 1024},
+                "fp16": {"policy": "fp16"}}
+    if only is not None:
+        variants = {k: v for k, v in variants.items() if k == "off" or k in only}
+    runs = {}
+    for name, settings in variants.items():
+        d = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)
+        st = AdaptiveState(**settings)
+        d.register_comm_hook(st, adaptive_hook)
+        runs[name] = (d, st)
+    equal, on_gpu, finite = 0, True, True
+    checksums: dict[str, list[float]] = {n: [] for n in runs}
+    for step in range(steps):
+        x, y = _batch(step)
+        x, y = x.to(dev), y.to(dev)
+        for m in [plain] + [d for d, _ in runs.values()]:
+            m.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+        equal += all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), runs["off"][0].parameters()))
+        for name, (d, _) in runs.items():
+            grads = [p.grad for p in d.parameters()]
+            on_gpu &= all(g.device == dev for g in grads)
+            finite &= all(bool(torch.isfinite(g).all()) for g in grads)
+            checksums[name].append(float(sum(g.double().sum() for g in grads)))
+    return {"rank": dist.get_rank(), "equal": equal, "on_gpu": on_gpu, "finite": finite, "checksums": checksums,
+            "stats": {n: _stats(st) for n, (_, st) in runs.items()}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gloo_two_ranks_on_one_gpu():
+    r0, r1 = run_ddp(job_gloo_one_gpu, args=(10,), timeout=300)
+    for r in (r0, r1):
+        assert r["equal"] == 10 and r["on_gpu"] and r["finite"]
+        for name in ("topk", "randomk", "gravac", "qsgd", "dqsgd", "fp16"):
+            assert r["stats"][name]["bytes_sent"] < r["stats"][name]["bytes_dense"], name
+    assert r0["checksums"] == r1["checksums"]  # every rank holds the same averaged gradients
+    for name in r0["stats"]:
+        assert r0["stats"][name]["compression_factor"] == r1["stats"][name]["compression_factor"], name

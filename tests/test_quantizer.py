@@ -386,8 +386,19 @@ def test_absmax(impl):
     assert Q.absmax(x) == float(x.abs().max())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_fallback_on_cuda_matches_cpu():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gpu_kernels", [True, False], ids=["triton", "torch"])
+def test_cuda_matches_cpu(gpu_kernels):
+    if gpu_kernels and not K.gpu_kernels_available():
+        pytest.skip("the Triton kernels are unavailable on this machine")
+    K.use_gpu_kernels(gpu_kernels)
+    try:
+        _check_cuda_matches_cpu()
+    finally:
+        K.use_gpu_kernels(True)
+
+
+def _check_cuda_matches_cpu():
     x = sample(10_003, 10)
     scale = Q.absmax(x)
     for bits in ALL_BITS:

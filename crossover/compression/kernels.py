@@ -9,10 +9,15 @@ hash of the source, the flags and ``platform.machine()``, and the library is ren
 atomically, so concurrent ranks can build at the same time. ``scripts/setup.sh`` builds it ahead of
 time through :func:`build_kernels`.
 
-Only 1-D contiguous float32 CPU tensors (int32 for indices) go to C; anything else (CUDA, other
-dtypes) and every call when no compiler is available, the build failed, ``use_kernels(False)`` was
-called or ``CROSSOVER_NO_KERNELS=1`` is set (read at each call) runs a pure-torch fallback with the
-same semantics (sums of squares may differ in the last bits: the summation order differs).
+Only 1-D contiguous float32 CPU tensors (int32 for indices) go to C. On CUDA tensors of the same
+kinds the dense passes (``ef_select``, ``ef_accumulate``, ``sumsq``) and ``sample_abs`` run fused
+Triton kernels (``_triton.py``: a CUDA build of PyTorch brings Triton; they are compiled and checked
+on first use, and skipped with a warning if that fails; ``use_gpu_kernels(False)`` or
+``CROSSOVER_NO_TRITON=1`` turns them off); the index-sized operations use torch ops there. Anything else (other dtypes,
+layouts, devices) and every call when no compiler is available, the build failed,
+``use_kernels(False)`` was called or ``CROSSOVER_NO_KERNELS=1`` is set (read at each call) runs a
+pure-torch fallback with the same semantics (sums of squares may differ in the last bits: the
+summation order differs).
 Indices must lie in ``[0, len)``: the C path raises ``IndexError`` otherwise, having written
 nothing; the fallback follows torch indexing.
 """
@@ -23,6 +28,7 @@ import ctypes
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +44,7 @@ _MAX_NUMEL = 2**31 - 1  # indices are int32
 
 _warned = False
 _enabled = True
+_gpu_enabled = True
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -119,6 +126,58 @@ def kernels_available() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# GPU kernels (Triton), for CUDA tensors
+# ----------------------------------------------------------------------------------------------
+
+_TRUE = ("1", "on", "true", "yes")
+_gpu_lock = threading.Lock()
+_gpu_module = None
+_gpu_tried = False
+
+
+def use_gpu_kernels(enabled: bool = True) -> None:
+    """Turn the Triton kernels for CUDA tensors on or off for this process (off: torch ops on CUDA)."""
+    global _gpu_enabled
+    _gpu_enabled = bool(enabled)
+
+
+def _load_gpu():
+    """The Triton kernel module, imported, compiled and checked once per process; None if that failed."""
+    global _gpu_module, _gpu_tried
+    if _gpu_tried:
+        return _gpu_module
+    with _gpu_lock:
+        if not _gpu_tried:
+            try:
+                from crossover.compression import _triton
+                _triton.self_test(torch.device("cuda", torch.cuda.current_device()))
+                _gpu_module = _triton
+            except Exception as e:  # ImportError (no Triton), a compiler error, a failed check
+                log.warning("the Triton kernels for CUDA tensors are unavailable (%s: %s); CUDA tensors use "
+                            "the pure-torch fallbacks (slower)", type(e).__name__, e)
+            _gpu_tried = True
+        return _gpu_module
+
+
+def _gpu(*ts: torch.Tensor | None):
+    """The Triton kernels when every given tensor is a contiguous CUDA tensor and they are enabled, else None."""
+    if not (_enabled and _gpu_enabled) or os.environ.get("CROSSOVER_NO_KERNELS", "") not in ("", "0"):
+        return None
+    if os.environ.get("CROSSOVER_NO_TRITON", "").strip().lower() in _TRUE:
+        return None
+    if not all(t is None or (t.device.type == "cuda" and t.is_contiguous()) for t in ts):
+        return None
+    return _load_gpu()
+
+
+def gpu_kernels_available() -> bool:
+    """True when the Triton kernels for CUDA tensors are usable here (compiling them on first call)."""
+    if not torch.cuda.is_available():
+        return False
+    return _gpu(torch.empty(0, device="cuda")) is not None
+
+
+# ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
@@ -128,6 +187,10 @@ def _cpu_contig(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
 
 def _f32(*ts: torch.Tensor | None) -> bool:
     return all(_cpu_contig(t, torch.float32) for t in ts)
+
+
+def _all_f32(*ts: torch.Tensor | None) -> bool:
+    return all(t is None or t.dtype == torch.float32 for t in ts)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -146,8 +209,17 @@ _SUMSQ_CHUNK = 1 << 15
 def _sumsq_torch(x: torch.Tensor) -> float:
     if x.numel() == 0:
         return 0.0
-    if x.device.type != "cpu" or x.numel() <= _SUMSQ_CHUNK:
+    if x.numel() <= _SUMSQ_CHUNK:
         return float(x.double().pow_(2).sum())
+    if x.device.type != "cpu":
+        # A float64 copy would triple the bytes moved: float32 norms of rows of _SUMSQ_CHUNK elements
+        # (one read pass; each accumulated in float32 by the device's tree reduction), squared and
+        # summed in float64.
+        x = x.reshape(-1)
+        main = x.numel() - x.numel() % _SUMSQ_CHUNK
+        rows = torch.linalg.vector_norm(x[:main].view(-1, _SUMSQ_CHUNK), dim=1).double()
+        tail = x[main:].double()
+        return float(torch.dot(rows, rows) + torch.dot(tail, tail))
     # CPU: a fresh float64 copy of a big tensor costs ~10x the arithmetic in page faults, so convert
     # chunk by chunk into one small reused buffer.
     x = x.reshape(-1)
@@ -179,9 +251,12 @@ class Selected(NamedTuple):
     sumsq_grad: float  # ||grad||^2 (the raw gradient, apart from the residual)
 
 
-def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float,
+def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: float | torch.Tensor,
               out_idx: torch.Tensor, out_val: torch.Tensor) -> Selected:
-    """Select |grad+residual| >= threshold into out_*, in one pass over the data (see `Selected`)."""
+    """Select |grad+residual| >= threshold into out_*, in one pass over the data (see `Selected`).
+
+    `threshold` is a number, or a one-element tensor (`threshold_tensor`: on CUDA it stays on the device).
+    """
     # acc = grad + residual (residual None: acc = grad, no error feedback). Qualifying elements are
     # taken in index order until len(out_idx) are; later ones are counted, not selected. A given
     # residual becomes acc, with 0 where selected.
@@ -194,12 +269,22 @@ def ef_select(grad: torch.Tensor, residual: torch.Tensor | None, threshold: floa
     if n > _MAX_NUMEL:
         raise ValueError(f"{n} elements do not fit int32 indices")
     lib = _lib_if_enabled()
+    if isinstance(threshold, torch.Tensor) and threshold.device.type == "cpu":
+        threshold = float(threshold.reshape(-1)[0])
     if lib is not None and _f32(grad, residual, out_val) and _cpu_contig(out_idx, torch.int32):
+        threshold = float(threshold)
         counts = (ctypes.c_int64 * 2)()
         sums = (ctypes.c_double * 3)()
         lib.cx_ef_select(grad.data_ptr(), _ptr(residual), n, float(threshold), out_idx.data_ptr(),
                          out_val.data_ptr(), cap, counts, sums)
         return Selected(int(counts[0]), int(counts[1]), float(sums[0]), float(sums[1]), float(sums[2]))
+    gpu = _gpu(grad, residual, out_idx, out_val)
+    if gpu is not None and _all_f32(grad, residual, out_val) and out_idx.dtype == torch.int32:
+        thr = threshold if not isinstance(threshold, torch.Tensor) else \
+            threshold.to(device=grad.device, dtype=torch.float32).reshape(1)
+        return Selected(*gpu.ef_select(grad, residual, thr, out_idx, out_val))
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.to(device=grad.device, dtype=torch.float32).reshape(())
     sumsq_grad = _sumsq_torch(grad) if residual is not None else None
     acc = grad if residual is None else residual.add_(grad)
     hits = (acc.abs() >= threshold).nonzero().flatten()
@@ -224,6 +309,9 @@ def ef_accumulate(grad: torch.Tensor, residual: torch.Tensor) -> float:
         out = ctypes.c_double()
         lib.cx_ef_accumulate(grad.data_ptr(), residual.data_ptr(), grad.numel(), ctypes.byref(out))
         return out.value
+    gpu = _gpu(grad, residual)
+    if gpu is not None and _all_f32(grad, residual):
+        return gpu.ef_accumulate(grad, residual)
     return _sumsq_torch(residual.add_(grad))
 
 
@@ -235,6 +323,9 @@ def sumsq(x: torch.Tensor) -> float:
         out = ctypes.c_double()
         lib.cx_sumsq(x.data_ptr(), x.numel(), ctypes.byref(out))
         return out.value
+    gpu = _gpu(x)
+    if gpu is not None and _all_f32(x):
+        return gpu.sumsq(x)
     return _sumsq_torch(x)
 
 
@@ -304,6 +395,10 @@ def sample_abs(grad: torch.Tensor, residual: torch.Tensor | None, n: int, out: t
     if lib is not None and _f32(grad, residual, out):
         lib.cx_sample_abs(grad.data_ptr(), _ptr(residual), numel, n, out.data_ptr())
         return
+    gpu = _gpu(grad, residual, out)
+    if gpu is not None and _all_f32(grad, residual, out):
+        gpu.sample_abs(grad, residual, n, out)
+        return
     pos = torch.arange(n, device=grad.device, dtype=torch.int64) * numel // n
     a = grad[pos] if residual is None else grad[pos] + residual[pos]
     out[:n].copy_(a.abs_())
@@ -352,6 +447,20 @@ def random_indices(numel: int, k: int, seed: int, out_idx: torch.Tensor) -> None
     lo = (j - 1) * numel // k
     hi = j * numel // k
     out_idx[:k].copy_(lo + ((_srl(z, 32) * (hi - lo)) >> 32))
+
+
+def threshold_tensor(sample: torch.Tensor, density: float) -> torch.Tensor:
+    """`threshold_for_density` as a one-element float32 tensor on the sample's device, with no host sync.
+
+    On CUDA the threshold then goes straight into `ef_select`'s kernels: the host does not wait for the
+    order statistic before it launches the selection.
+    """
+    x = sample.reshape(-1)
+    n = x.numel()
+    if n == 0 or density <= 0:
+        return torch.full((1,), float("inf"), dtype=torch.float32, device=sample.device)
+    k = min(n, max(1, int(round(density * n))))
+    return torch.kthvalue(x.abs(), n - k + 1).values.reshape(1).to(torch.float32)
 
 
 def threshold_for_density(sample: torch.Tensor, density: float) -> float:

@@ -56,10 +56,12 @@ weight=1/world)`` per rank's slice into a single output, without temporary buffe
 Kernels: ``_quantize.c`` is compiled on first use like ``kernels.py`` (its compiler choice and cache
 directory ``$CROSSOVER_CACHE/kernels``, atomic rename; flags ``CFLAGS`` below). On x86-64 the hot
 loops have AVX2 versions chosen at run time; outputs of 16 MiB or more are written with
-non-temporal stores. Only 1-D contiguous CPU tensors of the right dtypes go to C; anything else
-(CUDA included), and every call when the library is unavailable, ``use_kernels(False)`` here or in
-``kernels.py`` was called, or ``CROSSOVER_NO_KERNELS=1`` is set, runs the pure-torch fallback, which
-works chunk by chunk (tens of MB of temporaries at most) and gives identical results. ``x`` and the
+non-temporal stores. Only 1-D contiguous CPU tensors of the right dtypes go to C; the same on CUDA
+go to fused Triton kernels (``_triton.py``, bit-identical results; off with ``CROSSOVER_NO_TRITON=1``
+or ``kernels.use_gpu_kernels(False)``); anything else, and every call when the library (or, on
+CUDA, Triton) is unavailable, ``use_kernels(False)`` here or in ``kernels.py`` was called, or
+``CROSSOVER_NO_KERNELS=1`` is set, runs the pure-torch fallback, which works chunk by chunk (tens of
+MB of temporaries at most) and gives identical results. ``x`` and the
 outputs must not overlap, except ``residual_out``, which may be ``x``.
 """
 
@@ -173,6 +175,11 @@ def _lib_if_enabled() -> ctypes.CDLL | None:
     if not (_enabled and _K._enabled) or os.environ.get("CROSSOVER_NO_KERNELS", "") not in ("", "0"):
         return None
     return _load()
+
+
+def _gpu(*ts: torch.Tensor | None):
+    """The Triton kernels when every tensor is a contiguous CUDA tensor and kernels are enabled here."""
+    return _K._gpu(*ts) if _enabled else None
 
 
 def use_simd(enabled: bool = True) -> bool:
@@ -386,6 +393,10 @@ def quantize_levels(x: torch.Tensor, scale: float, s: int, seed: int, out: torch
     if lib is not None and _cpu_contig(x, out, residual_out):
         lib.cq_quantize_levels(x.data_ptr(), n, mult, s, seed, out.data_ptr(), _ptr(residual_out), step)
         return
+    gpu = _gpu(x, out, residual_out)
+    if gpu is not None:
+        gpu.quantize(x, mult, s, seed, step, levels=out, residual_out=residual_out)
+        return
     for i0 in range(0, n, _CHUNK):
         xc = x[i0:i0 + _CHUNK]
         lev = _levels_torch(xc, i0, mult, s, seed)
@@ -417,6 +428,10 @@ def quantize_pack(x: torch.Tensor, scale: float, s: int, bits: int, seed: int, o
     lib = _lib_if_enabled()
     if lib is not None and _cpu_contig(x, out, residual_out):
         lib.cq_quantize_pack(x.data_ptr(), n, mult, s, bits, seed, out.data_ptr(), _ptr(residual_out), step)
+        return nbytes
+    gpu = _gpu(x, out, residual_out)
+    if gpu is not None:
+        gpu.quantize(x, mult, s, seed, step, packed=out, bits=bits, residual_out=residual_out)
         return nbytes
     for i0 in range(0, n, _CHUNK):
         xc = x[i0:i0 + _CHUNK]
@@ -453,6 +468,10 @@ def dequantize_levels(levels: torch.Tensor, scale: float, s: int, out: torch.Ten
     if lib is not None and _cpu_contig(levels, out):
         lib.cq_dequantize_levels(levels.data_ptr(), n, sw, out.data_ptr(), int(bool(accumulate)))
         return
+    gpu = _gpu(levels, out)
+    if gpu is not None:
+        gpu.dequantize_levels(levels, sw, out, accumulate)
+        return
     for i0 in range(0, n, _CHUNK):
         lc = levels[i0:i0 + _CHUNK]
         _write_values(lc, sw, out[i0:i0 + lc.numel()], accumulate)
@@ -480,6 +499,10 @@ def unpack_dequantize(packed: torch.Tensor, numel: int, scale: float, s: int, bi
     if lib is not None and _cpu_contig(packed, out):
         lib.cq_unpack(packed.data_ptr(), numel, s, bits, sw, out.data_ptr(), int(bool(accumulate)), None)
         return
+    gpu = _gpu(packed, out)
+    if gpu is not None:
+        gpu.unpack(packed, numel, s, bits, sw, out=out, accumulate=accumulate)
+        return
     for i0 in range(0, numel, _CHUNK):
         m = min(_CHUNK, numel - i0)
         b0 = i0 // 8 * bits
@@ -501,6 +524,10 @@ def unpack_levels(packed: torch.Tensor, numel: int, s: int, bits: int, out: torc
     lib = _lib_if_enabled()
     if lib is not None and _cpu_contig(packed, out):
         lib.cq_unpack(packed.data_ptr(), numel, s, bits, 0.0, None, 0, out.data_ptr())
+        return
+    gpu = _gpu(packed, out)
+    if gpu is not None:
+        gpu.unpack(packed, numel, s, bits, 0.0, levels=out)
         return
     for i0 in range(0, numel, _CHUNK):
         m = min(_CHUNK, numel - i0)

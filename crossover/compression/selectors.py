@@ -73,10 +73,12 @@ class Selector:
         kernels.sample_abs(grad, residual, n, out)
         return out
 
-    def _threshold(self, sample: torch.Tensor, density: float) -> float:
+    def _threshold(self, sample: torch.Tensor, density: float) -> float | torch.Tensor:
+        if sample.device.type != "cpu":  # stays on the device: no host round trip before the selection
+            return kernels.threshold_tensor(sample, density)
         return kernels.threshold_for_density(sample, density)
 
-    def _select_ge(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, thr: float,
+    def _select_ge(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, thr: float | torch.Tensor,
                    cap: int) -> tuple[int, Selection]:
         """Elements with |acc| >= thr (at most cap): (how many, the selection)."""
         idx = self.buffers.get(key, "idx", cap, torch.int32, grad.device)
@@ -162,6 +164,8 @@ class RedSync(Selector):
         if k >= numel:
             return _dense_selection(grad, residual)
         sample = self._sample(key, grad, residual)
+        if sample.device.type != "cpu":  # one small copy instead of a device round trip per bisection step;
+            sample = sample.cpu()  # the CPU arithmetic also gives the CPU path's threshold exactly
         want = max(1.0, sample.numel() * k / numel)
         mean, mx = float(sample.mean()), float(sample.max())
         lo, hi = 0.0, 1.0

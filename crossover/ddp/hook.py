@@ -72,6 +72,22 @@ _DQ_DEFAULTS = {name: p.default for name, p in inspect.signature(DqsgdPolicy).pa
 DEFAULT_MIN_COMPRESS_NUMEL = 16384  # as the Horovod objects: smaller buckets go dense
 
 
+#: Gloo with CUDA tensors: synchronise the device around the codec's decode (see `_gloo_cuda`).
+GLOO_CUDA_SYNC = True
+
+
+def _gloo_cuda(t: torch.Tensor, group: Any) -> bool:
+    """Whether `t` is a CUDA tensor reduced over Gloo (host-staged collectives, e.g. ranks sharing a GPU).
+
+    There the codec's decode, run in a callback of collected futures on Gloo's thread, was seen reading
+    gathered CUDA bytes that were not yet (or no longer) those of this step: QSGD's averaged gradients
+    differed between 2 ranks on one GPU. A device-wide synchronisation before and after the decode keeps
+    it ordered with the collectives' copies and with DDP's use of the result. NCCL's futures carry
+    the right CUDA events; it needs none of this.
+    """
+    return GLOO_CUDA_SYNC and t.is_cuda and dist.get_backend(group) == "gloo"
+
+
 def _allreduce_mean(buf: torch.Tensor, group: Any) -> Future:
     """DDP's own reduction: divide by the world size, sum in place, hand back the same buffer."""
     buf.div_(dist.get_world_size(group))
@@ -79,12 +95,19 @@ def _allreduce_mean(buf: torch.Tensor, group: Any) -> Future:
 
 
 def _raise_errors(fut: Future) -> None:
-    """Re-raise the error of a future, or of any future it collected."""
+    """Re-raise the error of a future, or of any future it collected, and order the current CUDA stream
+    after the collected ones.
+
+    A callback of ``collect_all`` is synchronised with the collecting future only, which holds no CUDA
+    events: without ``wait()`` on each collected future (completed: it returns at once, having made the
+    current streams wait for its events) the callback could read a CUDA payload before the collective
+    had written it. Seen on one GPU with Gloo: QSGD's decoded gradients differed between ranks.
+    """
     value = fut.value()
     if isinstance(value, list):
         for f in value:
             if isinstance(f, torch.futures.Future):
-                f.value()
+                f.wait()
 
 
 class _Engine:
@@ -178,9 +201,15 @@ class _CodecEngine(_Engine):
         if handle is not None:  # the codec's own allgather, issued in _encode just before
             fut = torch.futures.collect_all([fut, handle.future()])
 
+        gloo_cuda = _gloo_cuda(payload, self.group)
+
         def finish(f: Future) -> torch.Tensor:
             _raise_errors(f)
+            if gloo_cuda:
+                torch.cuda.synchronize(payload.device)
             out, reduced = self._decode(payload, ctx)
+            if gloo_cuda:
+                torch.cuda.synchronize(payload.device)
             self._reduced[index] = reduced
             return out
 
