@@ -53,7 +53,9 @@ GAINS = ("delivered", "authors", "norm")
 #: Names accepted for ``search``.
 SEARCHES = ("ladder", "paper")
 
-_STATE_VERSION = 3
+_STATE_VERSION = 4
+#: State versions :meth:`GravacPolicy.load_state_dict` still reads (3: no end-of-trial gain per timed CF).
+_OLD_STATE_VERSIONS = (3,)
 _DENSE = 1.0
 _AUTO = "auto"
 #: ``window="auto"``: a window is this fraction of the steps observed so far, within the bounds below.
@@ -208,6 +210,14 @@ class _Trial:
         half = self.terms[len(self.terms) // 2:]
         return sum(t[0] for t in half), sum(t[1] for t in half)
 
+    def end_gain_terms(self) -> tuple[float, float] | None:
+        """Summed gain terms of the window's last quarter (at least its last 2 measured steps): where the gain
+        had got to when the trial ended, while the residual of a higher CF was still building."""
+        if not self.terms:
+            return None
+        end = self.terms[-max(2, len(self.terms) // 4):]
+        return sum(t[0] for t in end), sum(t[1] for t in end)
+
 
 @dataclass
 class _State:
@@ -225,7 +235,7 @@ class _State:
     direction: int = -1
     best: float | None = None
     best_rate: float = 0.0  # best compression throughput of the current search
-    # cf -> [compression throughput, gain, median step time, samples per step, step judged]
+    # cf -> [compression throughput, gain, median step time, samples per step, step judged, end gain]
     rates: dict[float, list[float]] = field(default_factory=dict)
     ref_time: float = 0.0  # step time of the settled CF: its trial's, then its first full drift window's
     ref_stale: bool = False  # ref_time still comes from the trial (re-based on the first drift window)
@@ -690,10 +700,13 @@ class GravacPolicy:
         per_step = tr.samples / len(tr.times)
         terms = tr.gain_terms() if tr.cf > _DENSE else None
         gain = self._ratio(*terms) if terms is not None else None
+        end_terms = tr.end_gain_terms() if tr.cf > _DENSE else None
+        end_gain = self._ratio(*end_terms) if end_terms is not None else gain
         passes = gain is None or gain >= self._epsilon
         rate = per_step / step_time * (1.0 if gain is None else min(1.0, gain))
         s.rates[tr.cf] = [rate, 1.0 if tr.cf == _DENSE else (math.nan if gain is None else gain), step_time,
-                          per_step, float(s.step)]
+                          per_step, float(s.step),
+                          1.0 if tr.cf == _DENSE else (math.nan if end_gain is None else end_gain)]
         log.debug("crossover.gravac: step %d: CF %g judged on %d steps: median %.1f ms, gain %s, %.1f samples/s "
                   "(best so far: %s)", s.step, tr.cf, len(self._timed(tr)), 1e3 * step_time,
                   "-" if gain is None else f"{gain:.2f}", rate,
@@ -804,11 +817,13 @@ class GravacPolicy:
             s.reopen_gap = max(DRIFT_MIN_STEPS, grow * s.reopen_gap)
             s.drift_from = None
         s.reopen_at = s.step + s.reopen_gap
-        # A higher CF timed in this search that lost only through its gain deficit (it would have won
-        # on step time alone) may keep up once its residual has built: retry it too.
+        # A higher CF timed in this search that lost only through its gain deficit may keep up once its
+        # residual has built: retry it too, if the gain it had reached by the end of its trial (the residual
+        # still building) would have won. A CF that loses even at that gain is in a near-tie at best: its
+        # retries (a walk-up trial each, from the lower CF's residual) cost more than the tie can return.
         best = s.rates[cf][0] if cf in s.rates else s.best_rate
         for hi, r in sorted(s.rates.items()):
-            if hi > cf and r[4] >= s.search_step and r[1] < 1.0 and r[3] / r[2] > best * (1.0 + self._omega):
+            if hi > cf and r[4] >= s.search_step and r[1] < 1.0 and self._may_keep_up(r, best):
                 self._note_gain_failure(hi)
                 break
         if s.retry_rung is not None and s.retry_rung <= cf:
@@ -817,6 +832,12 @@ class GravacPolicy:
         if s.retry_rung is not None:  # doubling gaps: a CF that keeps failing costs O(log steps) trials
             s.retry_gap = max(2 * self.window_at(s.step), 2 * s.retry_gap, s.step // 2)
             s.retry_at = s.step + s.retry_gap
+
+    def _may_keep_up(self, r: list[float], best: float) -> bool:
+        """Whether a CF timed at ``r`` (a ``rates`` row) that lost on its gain would beat ``best`` by more than
+        omega at the gain it had reached by the end of its trial (a gain above 1 counts as 1)."""
+        end_gain = r[5]
+        return math.isfinite(end_gain) and r[3] / r[2] * min(1.0, end_gain) > best * (1.0 + self._omega)
 
     def _rate_now(self, cf: float, step_time: float) -> float:
         """Compression throughput of the settled CF at ``step_time``: samples per step (from its trial; 1 if
@@ -1000,6 +1021,10 @@ class GravacPolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
+        if state.get("version") in _OLD_STATE_VERSIONS:
+            # version 3 kept no end-of-trial gain: its gain over the window's second half stands in
+            state = {**state, "version": _STATE_VERSION,
+                     "rates": [[*r, r[2]] if len(r) == 6 else r for r in state["rates"]]}
         check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
         tr = state["trial"]
         st = _State(
@@ -1057,6 +1082,9 @@ class GravacPolicy:
                 if cf is not None and cf not in self._rungs:
                     raise ValueError(f"GravacPolicy state: {what} CF {cf!r} is not on this policy's ladder "
                                      f"{list(self._rungs)}")
+        for cf, r in s.rates.items():
+            if len(r) != 6:
+                raise ValueError(f"GravacPolicy state: rates entry of CF {cf!r} has {len(r)} values, expected 6")
         for cf, g in s.gains.items():
             if not (_is_real(cf) and cf >= 1 and _finite_nonneg(g.value) and g.count >= 0):
                 raise ValueError(f"GravacPolicy state: bad gain entry {cf!r}: {g!r}")
