@@ -27,7 +27,6 @@ import csv
 import itertools
 import json
 import logging
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,9 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from crossover.adaptive.driver import StepLog
-from crossover.adaptive.gravac import GravacPolicy, StepStats
-
-log = logging.getLogger("replay_policy")
+from crossover.adaptive.gravac import GravacPolicy
 
 _REPLAYABLE_GAINS = ("delivered", "norm")
 
@@ -49,20 +46,6 @@ class Replay:
     recorded: list[float]
     replayed: list[float]
     diverges_at: int | None
-
-
-def _float(text: str) -> float:
-    return float(text) if text != "" else math.nan
-
-
-def _stats(row: dict[str, str]) -> StepStats:
-    probes = {}
-    for i in (1, 2):
-        cf, sq = row.get(f"probe{i}_cf", ""), row.get(f"probe{i}_sq", "")
-        if cf != "" and sq != "":
-            probes[float(cf)] = float(sq)
-    return StepStats(sent_cf=float(row["sent_cf"]), dense_sq_norm=_float(row["acc_sq"]), compressed_sq_norms=probes,
-                     step_time_s=float(row["step_time_s"]), samples=1.0, grad_sq_norm=_float(row["grad_sq"]))
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -88,8 +71,9 @@ def replay(rows: Sequence[dict[str, str]], settings: dict[str, Any] | None = Non
     policy = GravacPolicy(**settings)
     replayed = []
     for i in range(len(rows)):
-        if i >= 2 and rows[i - 2]["skipped"] in ("0", ""):
-            policy.observe(_stats(rows[i - 2]))
+        stats = StepLog.row_stats(rows[i - 2]) if i >= 2 else None
+        if stats is not None:
+            policy.observe(stats)
         replayed.append(policy.plan().send_cf)
     recorded = [float(r["sent_cf"]) for r in rows]
     first = next((i for i, (a, b) in enumerate(zip(recorded, replayed)) if a != b), None)

@@ -312,6 +312,19 @@ class StepLog:
                         "appended to)", wanted, path)
         self.path = path
 
+    @classmethod
+    def row_stats(cls, row: Mapping[str, str]) -> StepStats | None:
+        """The policy's view of one row that `write` wrote (built as the driver builds it, `to_stats`); None for
+        a step the policy did not observe (`skipped`). The norm sums are not in the file: they read as 0."""
+        if row["skipped"] not in ("0", ""):
+            return None
+        probes = tuple(float(row[f"probe{i}_cf"]) for i in range(1, cls.MAX_PROBES + 1) if row[f"probe{i}_cf"] != "")
+        rec = StepRecord(step=int(row["step"]), sent_cf=float(row["sent_cf"]), probes=probes)
+        if row["grad_sq"] != "":  # written only for a measured step
+            rec.grad_sq, rec.acc_sq = float(row["grad_sq"]), float(row["acc_sq"])
+            rec.probe_sq = [float(row[f"probe{i}_sq"]) for i in range(1, len(probes) + 1)]
+        return rec.to_stats(float(row["step_time_s"]))
+
     def write(self, step: int, rec: StepRecord, step_time: float) -> None:
         if not self.pattern:
             return

@@ -205,18 +205,19 @@ class _Trial:
     def gain_terms(self) -> tuple[float, float] | None:
         """Summed gain terms of the second half of the window: the first steps after a switch still
         flush (or build) the previous CF's residual and measure the switch, not this CF."""
-        if not self.terms:
-            return None
-        half = self.terms[len(self.terms) // 2:]
-        return sum(t[0] for t in half), sum(t[1] for t in half)
+        return self._summed(len(self.terms) // 2)
 
     def end_gain_terms(self) -> tuple[float, float] | None:
         """Summed gain terms of the window's last quarter (at least its last 2 measured steps): where the gain
         had got to when the trial ended, while the residual of a higher CF was still building."""
+        return self._summed(-max(2, len(self.terms) // 4))
+
+    def _summed(self, start: int) -> tuple[float, float] | None:
+        """Summed [numerator, denominator] of the measured steps from index ``start`` on; None if none."""
         if not self.terms:
             return None
-        end = self.terms[-max(2, len(self.terms) // 4):]
-        return sum(t[0] for t in end), sum(t[1] for t in end)
+        part = self.terms[start:]
+        return sum(t[0] for t in part), sum(t[1] for t in part)
 
 
 @dataclass
