@@ -863,3 +863,16 @@ def test_ladder_logs_its_searches_and_settling(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.INFO, logger="crossover.gravac"):  # the link gets faster: a drift check
         drive_ladder(policy, 200, time=lambda cf, t: 0.002 + 0.01 / cf, start=120)
     assert any("step time moved from" in r.getMessage() for r in caplog.records)
+
+
+
+def test_a_pause_between_steps_does_not_move_a_trial_s_step_time() -> None:
+    # Seed 1's CF 10 trial on VGG-16 (results/vgg-seeds): an evaluation landed in its 716 ms step. The plain
+    # median of the 4 timed steps read 333.5 ms; the step's own cost was about 250 to 300 ms.
+    from crossover.adaptive.gravac import _median, _step_time
+
+    times = [0.716, 0.258, 0.367, 0.300]
+    assert _median(times) == pytest.approx(0.3335)
+    assert _step_time(times) == pytest.approx(0.300)
+    assert _step_time([0.2, 0.21, 0.22, 0.19]) == _median([0.2, 0.21, 0.22, 0.19])  # no pause: the median
+    assert _step_time([0.5]) == 0.5

@@ -273,6 +273,21 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
+#: A step longer than this many times the median of the faster half of its window is a pause between steps
+#: (an evaluation, a checkpoint, logging), not the step's own cost: step-time estimates leave it out.
+PAUSE_FACTOR = 2.0
+
+
+def _step_time(xs: list[float]) -> float:
+    """Step time of a window: the median of its steps, leaving out pauses (``PAUSE_FACTOR``). The glue times
+    a step from one first gradient to the next, so whatever the training loop does between steps lands in
+    one step's time; in a 4-step trial one such step moves the plain median by a third."""
+    s = sorted(xs)
+    low = _median(s[:max(1, (len(s) + 1) // 2)])
+    kept = [x for x in s if x <= PAUSE_FACTOR * low]
+    return _median(kept)
+
+
 class GravacPolicy:
     """GraVAC compression-factor search as a deterministic state machine.
 
@@ -630,7 +645,7 @@ class GravacPolicy:
             self._retry()
             return
         if self._drift > 0.0 and len(s.recent) >= dw:
-            med = _median(s.recent)
+            med = _step_time(s.recent)
             if s.ref_stale:
                 # A trial's few steps are a noisy reference: the settled CF's own first full window is it.
                 s.ref_time, s.ref_stale = med, False
@@ -663,7 +678,7 @@ class GravacPolicy:
         times = self._timed(tr)
         if s.best is None or len(times) < 2:
             return False
-        rate = tr.samples / len(tr.times) / _median(times)
+        rate = tr.samples / len(tr.times) / _step_time(times)
         if s.drift_from is not None and s.direction < 0:
             # A drift check downward must find a CF at least as fast as the settled one is now (best_rate
             # is that throughput x (1 + omega)): two steps slower by more than omega end it.
@@ -697,7 +712,7 @@ class GravacPolicy:
     def _judge(self, tr: _Trial) -> None:
         """End of a trial window: keep walking, or settle on the best CF of this search."""
         s = self._s
-        step_time = _median(self._timed(tr))
+        step_time = _step_time(self._timed(tr))
         per_step = tr.samples / len(tr.times)
         terms = tr.gain_terms() if tr.cf > _DENSE else None
         gain = self._ratio(*terms) if terms is not None else None
@@ -856,7 +871,7 @@ class GravacPolicy:
         i = self._rungs.index(cf)
         rate = s.rates[cf][0] if cf in s.rates else 0.0
         if cf in s.rates and s.recent:
-            rate = self._rate_now(cf, _median(s.recent))
+            rate = self._rate_now(cf, _step_time(s.recent))
         s.retry_rung = None
         if i + 1 < len(self._rungs):
             self._start_search(i + 1, +1, best=cf, best_rate=rate,
