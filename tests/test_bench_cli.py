@@ -259,6 +259,19 @@ def test_report_excerpts_hold_no_path_of_this_machine() -> None:
     assert run_all._show(argv) == ["python", "-m", "x", "--out", "results/a", "--report", ".../r.md"]
 
 
+def test_tta_repeats_run_on_different_seeds_shared_by_every_method(tmp_path: Path) -> None:
+    from benchmarks import run_all
+
+    task = next(t for t in run_all.tta_tasks(quick=False) if t.repeats > 1)
+    seeds: dict[str, set[str]] = {}
+    for run in run_all.tta_runs(tmp_path, task):
+        label = run.argv[run.argv.index("--label") + 1]
+        seeds.setdefault(label.split("@")[1], set()).add(run.argv[run.argv.index("--seed") + 1])
+    assert len(seeds) == task.repeats
+    assert all(len(s) == 1 for s in seeds.values())  # one seed per repeat, the same for every method
+    assert len({next(iter(s)) for s in seeds.values()}) == task.repeats  # a different one for each repeat
+
+
 def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
     """`--merge` measures only the selected sections again; the report holds every section, each with the
     run that measured it; the earlier outputs of the other sections are kept byte for byte."""
