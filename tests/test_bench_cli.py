@@ -249,6 +249,25 @@ def test_compare_names_the_oracle_static_and_the_spread_of_repeats(tmp_path: Pat
     assert "oracle static" in md and "(5.0-10.0, 2/2)" in md
 
 
+def test_compare_holds_each_seed_to_its_own_dense_target(tmp_path: Path) -> None:
+    # Seed 0's dense run ends at 0.8, seed 1's at 0.6: gravac on seed 1 reaches 0.6 (not the seeds' median
+    # 0.7) at its first evaluation; against one median target it would count as not reached.
+    specs = [("none@1", 0, [0.5, 0.7, 0.8]), ("none@2", 1, [0.4, 0.5, 0.6]),
+             ("gravac@1", 0, [0.6, 0.8, 0.81]), ("gravac@2", 1, [0.6, 0.6, 0.6])]
+    paths = []
+    for label, seed, accs in specs:
+        p = fake_run(tmp_path / label.replace("@", "-"), label.split("@")[0], 1.0, accs, 40)
+        res = json.loads(p.read_text())
+        res["config"].update(label=label, seed=seed)
+        res["summary"]["method"] = label
+        p.write_text(json.dumps(res))
+        paths.append(p)
+    rows = {r["method"]: r for r in report.compare(paths, tmp_path / "cmp")["rows"]}
+    assert rows["gravac"]["reached_in"] == "2/2" and rows["none"]["reached_in"] == "2/2"
+    assert rows["gravac"]["final_minus_dense"] == pytest.approx(0.005)  # +0.01 on seed 0, 0.0 on seed 1
+    assert "on the same seed" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
 def test_report_excerpts_hold_no_path_of_this_machine() -> None:
     from benchmarks import run_all
 
