@@ -122,6 +122,29 @@ def test_dense_plan_with_probes_sends_gradient_plus_residual():
         assert float(r.codec.memory.residual("w", g["w"]).abs().sum()) == 0.0
 
 
+def test_first_measured_dense_step_sends_what_error_feedback_still_holds():
+    # The ladder settling dense after CF 10 (plans measure the step, probe nothing): the first dense step
+    # sends gradient + residual and empties the residual, later ones send the gradient alone. Before, the
+    # residual stayed held and was never sent while dense (the TensorFlow glue always sent g + e).
+    world, n = 2, 30_000
+    group = SimulatedGroup(world)
+    ranks = [SimRank(group, r, StaticPolicy(cf=10.0)) for r in range(world)]
+    _step(ranks, _grads(world, 0, {"w": n}))  # leaves residuals
+    dense = type(StaticPolicy(cf=1.0).plan())(send_cf=1.0, probe_cfs=(), measure=True)
+    for r in ranks:
+        r.driver.policy.plan = lambda: dense
+    for step in (1, 2):
+        grads = _grads(world, step, {"w": n})
+        acc = [g["w"] + r.codec.memory.residual("w", g["w"]) for r, g in zip(ranks, grads)]
+        assert (step == 1) == all(float(r.codec.memory.residual("w", g["w"]).abs().sum()) > 0
+                                  for r, g in zip(ranks, grads))
+        out = _step(ranks, grads)
+        for dec in out:
+            torch.testing.assert_close(dec["w"], sum(acc) / world, rtol=1e-5, atol=1e-6)
+        for r, g in zip(ranks, grads):
+            assert float(r.codec.memory.residual("w", g["w"]).abs().sum()) == 0.0
+
+
 def test_dense_steps_of_the_ladder_are_measured_and_observed():
     """A ladder that tries (or settles on) dense still needs every step's time: its windows, retries and
     drift checks count observed steps. Only a plan that measures nothing passes tensors through."""

@@ -43,6 +43,7 @@ class SparseCodec:
         self.grad_norms = grad_norms  # also measure ||g|| of the raw gradient (one more read pass)
         self._outputs: dict[str, torch.Tensor] = {}
         self._packed: dict[str, torch.Tensor] = {}
+        self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
 
     def encode(self, key: str, tensor: torch.Tensor, rec: StepRecord, step_time: float,
                comm: Collectives) -> tuple[torch.Tensor, transport.SparseCtx, int]:
@@ -53,6 +54,14 @@ class SparseCodec:
             grad = grad.contiguous()
         residual = self.memory.residual(key, grad)
         levels = sorted({cf for cf in (*rec.probes, rec.sent_cf) if cf > 1})
+        acc = grad  # what this rank sends in a dense step: the gradient, plus a residual still held
+        if levels:
+            self._zeroed.pop(key, None)
+        elif residual is not None and self._zeroed.get(key) is not residual:
+            # The first dense step after compressed ones: what error feedback still holds goes out with it
+            # (as the TensorFlow glue sends acc = g + e), once; the residual then stays zero until a
+            # compressed step, and later dense steps skip this pass.
+            acc = residual.add_(grad)
         seed = shared_seed(self.seed, rec.step, key)
         sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
         grad_sq = None  # ||g|| apart from the residual: read by the selection pass when it can
@@ -66,7 +75,7 @@ class SparseCodec:
             else:
                 masks[cf] = self.selector.subselect(sel, numel, cf, seed ^ int(cf))
                 sq[cf] = kernels.sumsq(sel.val[masks[cf]].contiguous())
-        acc_sq = sel.sumsq_acc if sel is not None else kernels.sumsq(grad)
+        acc_sq = sel.sumsq_acc if sel is not None else kernels.sumsq(acc)
         layout = SparseStatsLayout(len(rec.probes))
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes]),
@@ -87,7 +96,10 @@ class SparseCodec:
                 payload = transport.send_dense(residual, stats)
                 residual.zero_()
             else:
-                payload = transport.send_dense(grad, stats)
+                payload = transport.send_dense(acc, stats)
+                if acc is residual:
+                    residual.zero_()
+                    self._zeroed[key] = residual
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.ALLREDUCE:
             ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
