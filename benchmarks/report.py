@@ -314,16 +314,14 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
         by_method: dict[str, list[dict[str, Any]]] = {}
         for r in members:
             by_method.setdefault(base_method(r["summary"]["method"]), []).append(r)
-        dense_finals = [r["summary"]["final_metric"] for r in by_method.get("none", [])
-                        if r["summary"]["final_metric"] is not None]
-        dense_final = _median(dense_finals)
-        target = dense_target(metric, dense_final, tolerance)
         # A seed changes the trajectory (and, on synthetic data, the data): each run is held to the target of the
         # dense run on its own seed; runs whose seed has no dense run, to the median of the dense runs.
         by_seed: dict[int, list[float]] = {}
         for r in by_method.get("none", []):
             if r["summary"]["final_metric"] is not None:
                 by_seed.setdefault(_seed(r), []).append(r["summary"]["final_metric"])
+        dense_final = _median([f for finals in by_seed.values() for f in finals])
+        target = dense_target(metric, dense_final, tolerance)
         seed_final = {sd: _median(v) for sd, v in by_seed.items()}
         own = {id(r): seed_final.get(_seed(r), dense_final) for r in members}  # each run's dense final
         tta = {m: [time_to(r["epochs"], metric, dense_target(metric, own[id(r)], tolerance)) for r in rs]

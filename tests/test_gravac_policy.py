@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats
+from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats, _median, _step_time
 
 GainFn = Callable[[float, int], float]  # (cf, step) -> gain in [0, 1]
 TimeFn = Callable[[float], float]  # sent cf -> step time in seconds
@@ -865,12 +865,9 @@ def test_ladder_logs_its_searches_and_settling(caplog: pytest.LogCaptureFixture)
     assert any("step time moved from" in r.getMessage() for r in caplog.records)
 
 
-
 def test_a_pause_between_steps_does_not_move_a_trial_s_step_time() -> None:
     # Seed 1's CF 10 trial on VGG-16 (results/vgg-seeds): an evaluation landed in its 716 ms step. The plain
     # median of the 4 timed steps read 333.5 ms; the step's own cost was about 250 to 300 ms.
-    from crossover.adaptive.gravac import _median, _step_time
-
     times = [0.716, 0.258, 0.367, 0.300]
     assert _median(times) == pytest.approx(0.3335)
     assert _step_time(times) == pytest.approx(0.300)

@@ -91,15 +91,13 @@ class SparseCodec:
         if sel is not None:
             ctx.idx, ctx.val = sel.idx, sel.val  # what this rank sent (to undo a non-finite step)
         if kind == cost_model.DENSE:
-            if sel is not None and residual is not None:  # undo the selection: send acc whole, residual -> 0
+            if sel is not None and residual is not None:  # undo the selection: send acc whole
                 kernels.scatter_add(residual, sel.idx, sel.val)
-                payload = transport.send_dense(residual, stats)
+                acc = residual
+            payload = transport.send_dense(acc, stats)
+            if acc is residual:  # the residual went out whole: zero until a compressed step
                 residual.zero_()
-            else:
-                payload = transport.send_dense(acc, stats)
-                if acc is residual:
-                    residual.zero_()
-                    self._zeroed[key] = residual
+                self._zeroed[key] = residual
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.ALLREDUCE:
             ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
