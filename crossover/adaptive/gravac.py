@@ -53,9 +53,10 @@ GAINS = ("delivered", "authors", "norm")
 #: Names accepted for ``search``.
 SEARCHES = ("ladder", "paper")
 
-_STATE_VERSION = 4
-#: State versions :meth:`GravacPolicy.load_state_dict` still reads (3: no end-of-trial gain per timed CF).
-_OLD_STATE_VERSIONS = (3,)
+_STATE_VERSION = 5
+#: State versions :meth:`GravacPolicy.load_state_dict` still reads (3: no end-of-trial gain per timed CF;
+#: 4: no tie-break between dense and cf_min).
+_OLD_STATE_VERSIONS = (3, 4)
 _DENSE = 1.0
 _AUTO = "auto"
 #: ``window="auto"``: a window is this fraction of the steps observed so far, within the bounds below.
@@ -76,6 +77,12 @@ SWITCH_SKIP = 1
 #: 4 ranks sharing 2 cores: 1.06 s, 0.30 s, 0.37 s, then 0.10 s; its median made CF 100 look as slow as CF
 #: 10, and the run settled on CF 10 (2x slower steps).
 FIRST_TRIAL_SKIP = 3
+#: Ladder search: a near-tie between dense and the lowest compressed rung (cf_min) is decided on at least this
+#: many timed steps of each, in alternating windows (``TIE_WINDOW`` steps or more): a first search's windows of 4
+#: steps cannot tell a 10 % difference on a busy machine (the LSTM of run F: dense 170 ms, CF 10 150 ms per step
+#: over whole runs, yet dense's 4-step trial came out ahead on one seed of three).
+TIE_STEPS = 16
+TIE_WINDOW = 6
 #: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
 _SKIP_MARGIN = 2.0
 #: ... dense when predicted this many times beyond it (the 1 / CF extrapolation overrates dense's time).
@@ -253,6 +260,8 @@ class _State:
     search_step: int = 0  # observations when the current search began
     turn_down: bool = False  # an upward walk that stops at its first rung then walks down
     reason: str = ""
+    trial_times: dict[float, list[float]] = field(default_factory=dict)  # timed steps of each CF's latest trial
+    tie: dict[float, list[float]] | None = None  # dense vs cf_min, being decided: pooled timed steps of each
 
 
 def _finite_nonneg(x: float) -> bool:
@@ -598,6 +607,8 @@ class GravacPolicy:
         if not keep_times:
             s.search_step = s.step
         s.recent = []
+        s.trial_times = {}
+        s.tie = None
         log.info("crossover.gravac: step %d: search %d (%s): trying CF %g, walking %s", s.step, s.searches, why,
                  self._rungs[rung], "down" if direction < 0 else "up")
         self._try(self._rungs[rung])
@@ -667,6 +678,8 @@ class GravacPolicy:
         the step time drifted) at least ``WALK_UP_STEPS``: it must beat the settled CF by more than omega,
         and a few steps' median on a busy machine can do that by chance (a higher CF loses information)."""
         w = self.window_at(start)
+        if self._s.tie is not None:
+            return max(w, TIE_WINDOW)
         return max(w, WALK_UP_STEPS) if self._s.direction > 0 and self._s.best is not None else w
 
     def _losing(self, tr: _Trial) -> bool:
@@ -676,7 +689,7 @@ class GravacPolicy:
         wrong rung then costs a few steps, not a whole window (a dense window on a slow link is long)."""
         s = self._s
         times = self._timed(tr)
-        if s.best is None or len(times) < 2:
+        if s.best is None or s.tie is not None or len(times) < 2:
             return False
         rate = tr.samples / len(tr.times) / _step_time(times)
         if s.drift_from is not None and s.direction < 0:
@@ -727,6 +740,10 @@ class GravacPolicy:
                   "(best so far: %s)", s.step, tr.cf, len(self._timed(tr)), 1e3 * step_time,
                   "-" if gain is None else f"{gain:.2f}", rate,
                   "none" if s.best is None else f"CF {s.best:g} at {s.best_rate:.1f}")
+        s.trial_times[tr.cf] = self._timed(tr)
+        if s.tie is not None:
+            self._tie_window(tr.cf, passes)
+            return
         i = self._rungs.index(tr.cf)
         if tr.cf == _DENSE and rate * _SKIP_MARGIN * (1.0 + self._omega) < s.best_rate:
             # Dense lost clearly: do not time it again before the run has doubled (O(log steps) trials).
@@ -736,6 +753,9 @@ class GravacPolicy:
         if s.direction < 0:
             # walking down: a lower CF within omega of the best compression throughput is preferred
             if passes and (s.best is None or rate * (1.0 + self._omega) >= s.best_rate):
+                if self._near_tie(tr.cf, rate):
+                    self._start_tie()
+                    return
                 s.best = tr.cf
                 s.best_rate = max(s.best_rate, rate)
                 if i > 0 and not self._hopeless(i - 1):
@@ -774,6 +794,58 @@ class GravacPolicy:
             self._settle(s.best, s.rates[s.best][2])
         else:
             self._try(self._rungs[j - 1])
+
+    def _near_tie(self, cf: float, rate: float) -> bool:
+        """Whether dense, judged at ``rate`` walking down, is in a near-tie with the best CF of the search, cf_min:
+        within omega of the best compression throughput, and not faster than cf_min's by more than omega.
+
+        Among compressed CFs a lower one within omega is preferred (a higher CF loses information that its gain
+        does not show as accuracy: CF 1000, "Why cf_max is 100" in docs/gravac.md). Between dense and cf_min
+        that preference is not applied: top-k 10x reached dense's accuracy on every workload of the matrix, and
+        a dense that is slower by up to omega on every step costs up to omega of the run's time (the LSTM of run
+        F: 1.13x). The faster of the two wins, timed long enough to tell (``TIE_STEPS``)."""
+        s = self._s
+        if cf != _DENSE or s.drift_from is not None or len(self._rungs) < 2 or s.best != self._rungs[1]:
+            return False
+        return rate <= s.rates[s.best][0] * (1.0 + self._omega)
+
+    def _start_tie(self) -> None:
+        """Decide dense against cf_min on pooled steps: alternate windows of each, cf_min's first."""
+        s = self._s
+        assert s.best is not None
+        s.tie = {_DENSE: list(s.trial_times.get(_DENSE, [])), s.best: list(s.trial_times.get(s.best, []))}
+        log.info("crossover.gravac: step %d: dense and CF %g are within omega: timing both in turn", s.step, s.best)
+        self._try(s.best)
+
+    def _tie_window(self, cf: float, passes: bool) -> None:
+        """A window of the tie-break ended: alternate, or settle on the faster once both have TIE_STEPS."""
+        s = self._s
+        assert s.tie is not None and s.best is not None
+        low = s.best
+        s.tie[cf].extend(s.trial_times[cf])
+        if not passes:  # cf_min failed the gain test: dense
+            self._note_gain_failure(cf)
+            self._end_tie(_DENSE)
+            return
+        if min(len(t) for t in s.tie.values()) < TIE_STEPS:
+            self._try(low if cf == _DENSE else _DENSE)
+            return
+        rates = {}
+        for c, times in s.tie.items():
+            r = s.rates[c]
+            r[2] = _step_time(times)
+            gain = 1.0 if c == _DENSE or not math.isfinite(r[1]) else min(1.0, r[1])
+            r[0] = rates[c] = r[3] / r[2] * gain
+        log.info("crossover.gravac: step %d: dense %.1f ms vs CF %g %.1f ms over %d and %d steps", s.step,
+                 1e3 * s.rates[_DENSE][2], low, 1e3 * s.rates[low][2], len(s.tie[_DENSE]), len(s.tie[low]))
+        self._end_tie(low if rates[low] > rates[_DENSE] else _DENSE)
+
+    def _end_tie(self, cf: float) -> None:
+        s = self._s
+        s.tie = None
+        s.best = cf
+        s.best_rate = s.rates[cf][0]
+        self._settle(cf, s.rates[cf][2])
 
     def _hopeless(self, rung: int) -> bool:
         """True when CFs timed in this search predict ``rung`` far too slow to be worth a trial.
@@ -1033,13 +1105,16 @@ class GravacPolicy:
             "search_step": s.search_step,
             "turn_down": s.turn_down,
             "reason": s.reason,
+            "trial_times": [[cf, list(t)] for cf, t in sorted(s.trial_times.items())],
+            "tie": None if s.tie is None else [[cf, list(t)] for cf, t in sorted(s.tie.items())],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
         if state.get("version") in _OLD_STATE_VERSIONS:
-            # version 3 kept no end-of-trial gain: its gain over the window's second half stands in
-            state = {**state, "version": _STATE_VERSION,
+            # version 3 kept no end-of-trial gain: its gain over the window's second half stands in; versions 3
+            # and 4 kept no trial times and had no tie-break
+            state = {"trial_times": [], "tie": None, **state, "version": _STATE_VERSION,
                      "rates": [[*r, r[2]] if len(r) == 6 else r for r in state["rates"]]}
         check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
         tr = state["trial"]
@@ -1077,6 +1152,8 @@ class GravacPolicy:
             search_step=int(state["search_step"]),
             turn_down=bool(state["turn_down"]),
             reason=str(state["reason"]),
+            trial_times={float(cf): [float(x) for x in t] for cf, t in state["trial_times"]},
+            tie=None if state["tie"] is None else {float(cf): [float(x) for x in t] for cf, t in state["tie"]},
         )
         self._check_state(st)
         self._s = st
@@ -1094,6 +1171,11 @@ class GravacPolicy:
         if self._search_kind == "ladder":
             named = {"floor": s.floor, "candidate": s.candidate, "best": s.best, "retry": s.retry_rung,
                      "drift_from": s.drift_from, "trial": None if s.trial is None else s.trial.cf}
+            if s.tie is not None:
+                if len(self._rungs) < 2 or set(s.tie) != {_DENSE, self._rungs[1]} or s.best != self._rungs[1] \
+                        or any(cf not in s.rates for cf in s.tie):
+                    raise ValueError(f"GravacPolicy state: a tie-break must be between dense and CF "
+                                     f"{self._rungs[1]:g}, the best CF, both timed; got {sorted(s.tie)}")
             for what, cf in named.items():
                 if cf is not None and cf not in self._rungs:
                     raise ValueError(f"GravacPolicy state: {what} CF {cf!r} is not on this policy's ladder "
