@@ -530,22 +530,21 @@ def test_compute_bound_dense_and_cf_10_are_timed_in_turn_and_the_faster_wins(tim
 
 
 def test_a_near_tie_between_dense_and_cf_10_is_not_decided_by_one_short_window() -> None:
-    # The LSTM of run F: dense steps in 170 ms, CF 10 in 150 ms (gain 1), every step +-20 % at random. With one
-    # 4-step window each, dense's came out ahead on some seeds and dense (within omega) was kept; pooled over
-    # alternating windows the faster CF 10 wins on every seed.
-    wins, short_window_misled = 0, 0
-    for seed in range(20):
+    # The LSTM of run F: dense steps in 170 ms, CF 10 in 150 ms (gain 1), every step +-20 % at random. One 4-step
+    # window each (and dense kept within omega, the rule before the tie-break) picks CF 10 on about two seeds in
+    # three; pooled over alternating windows, CF 10 wins on all but about one seed in fifty.
+    wins, one_window = 0, 0
+    for seed in range(40):
         rng = random.Random(seed)
         noise = [rng.uniform(0.8, 1.2) for _ in range(300)]
         policy = GravacPolicy()
         drive_ladder(policy, 300, gain=lambda cf, t: 0.6 if cf == 100 else 1.0,
                      time=lambda cf, t, noise=noise: (0.150 if cf > 1 else 0.170) * noise[t])
         wins += policy.send_cf == 10.0
-        # what the first windows alone said (steps 9-13: CF 10, 15-19: dense, each after its switch step)
-        short_window_misled += statistics.median(noise[15:19]) * 0.170 < statistics.median(noise[9:13]) * 0.150
-    assert wins == 20
-    assert short_window_misled >= 1  # the stream does contain the trap the tie-break avoids
-
+        # what the first windows alone said (steps 9-12: CF 10, 15-18: dense, each after its switch step)
+        one_window += statistics.median(noise[15:19]) * 0.170 > statistics.median(noise[9:13]) * 0.150 * 1.1
+    assert wins >= 39
+    assert one_window <= 32
 
 def test_dense_is_timed_when_a_lower_cf_lost_only_to_its_compression_cost() -> None:
     # Compute-bound with a costly CF 10 (selection and scatter of 10 % of the tensor): CF 10 loses to
@@ -713,6 +712,27 @@ def test_a_cf_whose_gain_was_still_rising_to_a_win_is_retried() -> None:
     assert cfs[:20] == [100.0] * 8 + [10.0] * 6 + [1.0] * 6  # lost its first trial on the gain
     assert 100.0 in cfs[20:40] and cfs[-100:] == [100.0] * 100
     assert policy.settled and policy.send_cf == 100.0
+
+
+def test_a_dense_window_slowed_by_a_busy_phase_does_not_hand_a_compute_bound_run_to_cf_10() -> None:
+    # ResNet-18 of run G: dense's first window was 1.21x and 1.30x CF 10's on two seeds, and both settled CF 10,
+    # 12 % slower than dense per step in the static runs. Within (1 + omega) ** 3 the two are timed in turn.
+    times = {100.0: 0.21, 10.0: 0.21, 1.0: 0.20}
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 100, time=lambda cf, t: times[cf] * (1.25 if cf == 1.0 and t < 20 else 1.0))
+    assert sent(plans)[:44] == [100.0] * 8 + [10.0] * 6 + [1.0] * 6 + [10.0] * 8 + [1.0] * 8 + [10.0] * 8
+    assert sent(plans)[44:] == [1.0] * 56 and policy.summary()["settled_reason"] == "time"
+
+
+@pytest.mark.parametrize(("dense", "tie"), [(0.13, [10.0] * 8 + [1.0] * 8), (0.14, [])])
+def test_dense_clearly_slower_than_cf_10_costs_at_most_two_more_windows(dense: float, tie: list[float]) -> None:
+    # 1.3x slower: inside the band, but apart by more than (1 + omega) ** 2 once each has TIE_EARLY (10) timed
+    # steps: decided after one more window each. 1.4x: beyond the band, settled at once.
+    times = {100.0: 0.10, 10.0: 0.10, 1.0: dense}
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 100, time=lambda cf, t: times[cf])
+    first = [100.0] * 8 + [10.0] * 6 + [1.0] * 6
+    assert sent(plans) == first + tie + [10.0] * (100 - len(first) - len(tie))
 
 
 def test_a_state_saved_during_a_tie_break_resumes_it_and_a_version_4_state_loads() -> None:

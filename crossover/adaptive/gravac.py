@@ -22,9 +22,9 @@ Two searches share the gain bookkeeping:
 
 * ``search="ladder"`` (default): a short trial of each CF on a ladder (cf_max, cf_max / cf_step, ...,
   cf_min, dense), judged on compression throughput (samples/s x gain, as GraVAC) measured while that
-  CF is actually sent, walking down while the next lower CF is within ``omega`` of the best; then it
-  settles, probes nothing beyond what it sends, and re-opens the search when the step time drifts or
-  the sent CF's gain falls under ``epsilon``.
+  CF is actually sent, walking down while the next lower CF is within ``omega`` of the best (dense against
+  cf_min: both timed in turn, the faster wins); then it settles, probes nothing beyond what it sends, and
+  re-opens the search when the step time drifts or the sent CF's gain falls under ``epsilon``.
 * ``search="paper"``: the paper's floor / candidate search (multi-level probes every step, CF_s
   growing each window, settle when the two best throughputs are within ``omega``).
 """
@@ -77,10 +77,15 @@ SWITCH_SKIP = 1
 #: 4 ranks sharing 2 cores: 1.06 s, 0.30 s, 0.37 s, then 0.10 s; its median made CF 100 look as slow as CF
 #: 10, and the run settled on CF 10 (2x slower steps).
 FIRST_TRIAL_SKIP = 3
-#: Ladder search: a near-tie between dense and the lowest compressed rung (cf_min) is decided on at least this
-#: many timed steps of each, in alternating windows (``TIE_WINDOW`` steps or more): a first search's windows of 4
-#: steps cannot tell a 10 % difference on a busy machine (the LSTM of run F: dense 170 ms, CF 10 150 ms per step
-#: over whole runs, yet dense's 4-step trial came out ahead on one seed of three).
+#: Ladder search: dense against the lowest compressed rung (cf_min) is a near-tie when their first windows put
+#: their compression throughputs within (1 + omega) ** TIE_BAND of each other. It is then decided on pooled steps
+#: of both, timed in alternating windows (``TIE_WINDOW`` steps or more): once each has ``TIE_EARLY`` timed steps
+#: when they are apart by more than (1 + omega) ** 2, else at ``TIE_STEPS``. Windows of 4 steps cannot tell the
+#: two apart on a busy machine: in run F the LSTM's dense stepped in 170 ms and CF 10 in 150 ms over whole runs,
+#: yet dense's window came out within omega on all three seeds; in run G ResNet-18's dense window was 1.21x and
+#: 1.30x CF 10's on two seeds, and the static runs put CF 10 12 % slower than dense.
+TIE_BAND = 3
+TIE_EARLY = 10
 TIE_STEPS = 16
 TIE_WINDOW = 6
 #: Ladder search: a lower CF is skipped when predicted this many times beyond omega's allowance.
@@ -309,9 +314,9 @@ class GravacPolicy:
       epsilon: gain a CF needs to be sent, in (0, 1] (paper 0.7 or 0.9; meaning depends on ``gain``).
       omega: relative tolerance, in [0, 1): a higher CF must beat a lower one's compression
         throughput by more than omega to be preferred, and a lower CF within omega of the best wins
-        (paper 0.01, its authors' script 0.05). Default 0.1 (with 0.2 the LSTM settled on a dense 17%
-        slower per step than CF 10; CF 1000, which omega 0.2 once kept out, is off the default ladder:
-        cf_max 100; docs/gravac.md).
+        (paper 0.01, its authors' script 0.05); dense within omega of cf_min starts a longer timing of
+        both in turn instead (``TIE_BAND``), and the faster wins. Default 0.1 (CF 1000, which omega 0.2
+        once kept out, is off the default ladder: cf_max 100; docs/gravac.md).
       window: observations per decision, int >= 1, or "auto": 2% of the steps observed so far,
         at least 4 and at most 500 (a short run adapts within its first steps, a long one measures
         over longer windows).
@@ -751,11 +756,11 @@ class GravacPolicy:
         if not passes:
             self._note_gain_failure(tr.cf)
         if s.direction < 0:
+            if passes and self._near_tie(tr.cf, rate):
+                self._start_tie()
+                return
             # walking down: a lower CF within omega of the best compression throughput is preferred
             if passes and (s.best is None or rate * (1.0 + self._omega) >= s.best_rate):
-                if self._near_tie(tr.cf, rate):
-                    self._start_tie()
-                    return
                 s.best = tr.cf
                 s.best_rate = max(s.best_rate, rate)
                 if i > 0 and not self._hopeless(i - 1):
@@ -797,7 +802,7 @@ class GravacPolicy:
 
     def _near_tie(self, cf: float, rate: float) -> bool:
         """Whether dense, judged at ``rate`` walking down, is in a near-tie with the best CF of the search, cf_min:
-        within omega of the best compression throughput, and not faster than cf_min's by more than omega.
+        their compression throughputs within (1 + omega) ** ``TIE_BAND`` of each other.
 
         Among compressed CFs a lower one within omega is preferred (a higher CF loses information that its gain
         does not show as accuracy: CF 1000, "Why cf_max is 100" in docs/gravac.md). Between dense and cf_min
@@ -807,7 +812,8 @@ class GravacPolicy:
         s = self._s
         if cf != _DENSE or s.drift_from is not None or len(self._rungs) < 2 or s.best != self._rungs[1]:
             return False
-        return rate <= s.rates[s.best][0] * (1.0 + self._omega)
+        band = (1.0 + self._omega) ** TIE_BAND
+        return s.rates[s.best][0] / band <= rate <= s.rates[s.best][0] * band
 
     def _start_tie(self) -> None:
         """Decide dense against cf_min on pooled steps: alternate windows of each, cf_min's first."""
@@ -827,15 +833,19 @@ class GravacPolicy:
             self._note_gain_failure(cf)
             self._end_tie(_DENSE)
             return
-        if min(len(t) for t in s.tie.values()) < TIE_STEPS:
-            self._try(low if cf == _DENSE else _DENSE)
-            return
+        pooled = min(len(t) for t in s.tie.values())
         rates = {}
         for c, times in s.tie.items():
             r = s.rates[c]
-            r[2] = _step_time(times)
             gain = 1.0 if c == _DENSE or not math.isfinite(r[1]) else min(1.0, r[1])
-            r[0] = rates[c] = r[3] / r[2] * gain
+            rates[c] = r[3] / _step_time(times) * gain
+        apart = max(rates.values()) > min(rates.values()) * (1.0 + self._omega) ** 2
+        if pooled < TIE_STEPS and not (pooled >= TIE_EARLY and apart):
+            self._try(low if cf == _DENSE else _DENSE)
+            return
+        for c, times in s.tie.items():
+            s.rates[c][2] = _step_time(times)
+            s.rates[c][0] = rates[c]
         log.info("crossover.gravac: step %d: dense %.1f ms vs CF %g %.1f ms over %d and %d steps", s.step,
                  1e3 * s.rates[_DENSE][2], low, 1e3 * s.rates[low][2], len(s.tie[_DENSE]), len(s.tie[low]))
         self._end_tie(low if rates[low] > rates[_DENSE] else _DENSE)
