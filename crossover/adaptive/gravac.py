@@ -808,7 +808,7 @@ class GravacPolicy:
         does not show as accuracy: CF 1000, "Why cf_max is 100" in docs/gravac.md). Between dense and cf_min
         that preference is not applied: top-k 10x reached dense's accuracy on every workload of the matrix, and
         a dense that is slower by up to omega on every step costs up to omega of the run's time (the LSTM of run
-        F: 1.13x). The faster of the two wins, timed long enough to tell (``TIE_STEPS``)."""
+        F: 1.13x). The faster of the two wins, timed long enough to tell (``TIE_EARLY``, ``TIE_STEPS``)."""
         s = self._s
         if cf != _DENSE or s.drift_from is not None or len(self._rungs) < 2 or s.best != self._rungs[1]:
             return False
@@ -820,11 +820,12 @@ class GravacPolicy:
         s = self._s
         assert s.best is not None
         s.tie = {_DENSE: list(s.trial_times.get(_DENSE, [])), s.best: list(s.trial_times.get(s.best, []))}
-        log.info("crossover.gravac: step %d: dense and CF %g are within omega: timing both in turn", s.step, s.best)
+        log.info("crossover.gravac: step %d: dense and CF %g are close: timing both in turn", s.step, s.best)
         self._try(s.best)
 
     def _tie_window(self, cf: float, passes: bool) -> None:
-        """A window of the tie-break ended: alternate, or settle on the faster once both have TIE_STEPS."""
+        """A window of the tie-break ended: alternate, or settle on the faster once both have ``TIE_STEPS`` timed
+        steps (``TIE_EARLY`` when they are apart by more than (1 + omega) ** 2)."""
         s = self._s
         assert s.tie is not None and s.best is not None
         low = s.best
