@@ -835,18 +835,18 @@ class GravacPolicy:
             self._end_tie(_DENSE)
             return
         pooled = min(len(t) for t in s.tie.values())
+        step_times = {c: _step_time(times) for c, times in s.tie.items()}
         rates = {}
-        for c, times in s.tie.items():
+        for c, t in step_times.items():
             r = s.rates[c]
             gain = 1.0 if c == _DENSE or not math.isfinite(r[1]) else min(1.0, r[1])
-            rates[c] = r[3] / _step_time(times) * gain
+            rates[c] = r[3] / t * gain
         apart = max(rates.values()) > min(rates.values()) * (1.0 + self._omega) ** 2
         if pooled < TIE_STEPS and not (pooled >= TIE_EARLY and apart):
             self._try(low if cf == _DENSE else _DENSE)
             return
-        for c, times in s.tie.items():
-            s.rates[c][2] = _step_time(times)
-            s.rates[c][0] = rates[c]
+        for c, t in step_times.items():
+            s.rates[c][2], s.rates[c][0] = t, rates[c]
         log.info("crossover.gravac: step %d: dense %.1f ms vs CF %g %.1f ms over %d and %d steps", s.step,
                  1e3 * s.rates[_DENSE][2], low, 1e3 * s.rates[low][2], len(s.tie[_DENSE]), len(s.tie[low]))
         self._end_tie(low if rates[low] > rates[_DENSE] else _DENSE)
