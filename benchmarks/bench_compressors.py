@@ -13,7 +13,6 @@ decompress at the given density <= 6x a read pass, fp16 compress + decompress <=
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import kernel_table  # noqa: E402
 from crossover.compression import kernels as K  # noqa: E402
 
 TOPK_TARGET = 6.0
@@ -223,37 +223,20 @@ def main(argv: List[str] | None = None) -> int:
         run_impl("torch fallback")
     K.use_kernels(True)
 
-    read_all = [r["read_ms"] for r in rows]
-    read_ms = statistics.median(read_all)
-    print(f"\nread pass g.sum(): median {read_ms:.2f} ms over the rows (per-row medians from "
-          f"{min(read_all):.2f} to {max(read_all):.2f} ms)\n(ms: median; each ratio below divides the "
-          f"row's median by the median of the read passes interleaved with it; min ms is the fastest call)\n")
+    read_ms = kernel_table.print_read_pass([r["read_ms"] for r in rows], "; min ms is the fastest call")
     w = max(len(r["name"]) for r in rows)
     print(f"{'operation':<{w}}  {'ms':>9}  {'min ms':>8}  {'read ms':>7}  {'x read':>7}  check")
     print("-" * (w + 50))
     for r in rows:
-        check = ""
-        if r["target"] is not None:
-            r["pass"] = r["ratio"] <= r["target"]
-            check = f"{'PASS' if r['pass'] else 'FAIL'} (<= {r['target']:g}x)"
-        if r["note"]:
-            check = f"{check}  {r['note']}".strip()
+        check = kernel_table.check_cell(r)
         print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['ms_min']:8.2f}  {r['read_ms']:7.2f}  "
               f"{r['ratio']:7.2f}  {check}")
     targets = [r for r in rows if r["target"] is not None and "fallback" not in r["name"]]
-    ok = all(r["pass"] for r in targets)
-    failed = [r["name"] for r in targets if not r["pass"]]
-    print(f"\ntargets (C kernels and fp16): {'PASS' if ok and targets else 'FAIL'}"
-          + ("" if not failed else f"; over target: {'; '.join(failed)}"))
-
-    if args.json:
-        out = {"command": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "cpu": cpu_name(), "machine": platform.machine(), "numel": n, "density": args.density,
-               "k": k, "sample": m, "repeat": rep, "c_kernels": have_c, "read_pass_ms": read_ms,
-               "rows": rows, "targets_pass": ok}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.json}")
+    ok = kernel_table.verdict("C kernels and fp16", [r["name"] for r in targets if not r["pass"]], bool(targets))
+    kernel_table.write_json(args.json, {
+        "command": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+        "machine": platform.machine(), "numel": n, "density": args.density, "k": k, "sample": m, "repeat": rep,
+        "c_kernels": have_c, "read_pass_ms": read_ms, "rows": rows, "targets_pass": ok})
     return 0
 
 

@@ -15,7 +15,6 @@ Target: top-k class compress + decompress <= 10x a read pass.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import kernel_table  # noqa: E402
 from crossover.adaptive.driver import StepRecord  # noqa: E402
 from crossover.compression import kernels as K  # noqa: E402
 from crossover.compression import quantize as Q  # noqa: E402
@@ -395,25 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'operation':<{w}}  {'ms':>8}  {'min ms':>8}  {'x read':>7}  {'x wall read':>11}  check")
     print("-" * (w + 54))
     for r in rows:
-        check = ""
-        if r["target"] is not None:
-            check = f"{'PASS' if r['pass'] else 'FAIL'} (<= {r['target']:g}x)"
-        if r["note"]:
-            check = f"{check}  {r['note']}".strip()
+        check = kernel_table.check_cell(r)
         print(f"{r['name']:<{w}}  {r['ms']:8.3f}  {r['ms_min']:8.3f}  {r['ratio']:7.2f}  {r['ratio_wall']:11.2f}  "
               f"{check}")
     targets = [r for r in rows if r["target"] is not None and "[triton]" in r["name"]]
-    ok = bool(targets) and all(r["pass"] for r in targets)
-    print(f"\ntarget (top-k class compress + decompress with the Triton kernels <= {TOPK_TARGET:g}x a read pass): "
-          f"{'PASS' if ok else 'FAIL'}")
-    if args.json:
-        out = {"command": sys.argv, "device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-               "numel": n, "density": args.density, "k": k, "sample": m, "repeat": rep, "triton": have_triton,
-               "read_pass_device_ms": read_dev, "read_pass_wall_ms": read_wall, "copy_device_ms": copy_dev,
-               "rows": rows, "target_pass": ok, "full_size_selection_equal": same}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.json}")
+    ok = kernel_table.verdict(f"top-k class compress + decompress with the Triton kernels <= {TOPK_TARGET:g}x a "
+                              "read pass", [r["name"] for r in targets if not r["pass"]], bool(targets))
+    kernel_table.write_json(args.json, {
+        "command": sys.argv, "device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "numel": n,
+        "density": args.density, "k": k, "sample": m, "repeat": rep, "triton": have_triton,
+        "read_pass_device_ms": read_dev, "read_pass_wall_ms": read_wall, "copy_device_ms": copy_dev, "rows": rows,
+        "target_pass": ok, "full_size_selection_equal": same})
     return 0
 
 

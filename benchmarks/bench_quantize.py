@@ -20,7 +20,6 @@ within 10% of b/8 plus one float32 scale per tensor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -32,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import kernel_table  # noqa: E402
 from benchmarks.bench_compressors import cpu_name, timed  # noqa: E402
 from crossover.compression import quantize as Q  # noqa: E402
 
@@ -177,19 +177,12 @@ def main(argv: List[str] | None = None) -> int:
         bytes_rows.append({"bits": bits, "levels": s, "path": "int32 levels (allreduce)", "bytes": 4 * n,
                            "bytes_per_element": 4.0, "expected": expected, "pass": None})
 
-    read_all = [r["read_ms"] for r in rows if r["repeat"] > 1]
-    read_ms = statistics.median(read_all)
-    print(f"\nread pass g.sum(): median {read_ms:.2f} ms over the rows (per-row medians from "
-          f"{min(read_all):.2f} to {max(read_all):.2f} ms); each ratio below divides the row's median by "
-          f"the median of the read passes interleaved with it\n")
+    read_ms = kernel_table.print_read_pass([r["read_ms"] for r in rows if r["repeat"] > 1])
     w = max(len(r["name"]) for r in rows)
     print(f"{'operation':<{w}}  {'ms':>9}  {'read ms':>7}  {'x read':>7}  check")
     print("-" * (w + 44))
     for r in rows:
-        check = ""
-        if r["target"] is not None:
-            r["pass"] = r["ratio"] <= r["target"]
-            check = f"{'PASS' if r['pass'] else 'FAIL'} (<= {r['target']:g}x)"
+        check = kernel_table.check_cell(r)
         print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['read_ms']:7.2f}  {r['ratio']:7.2f}  {check}")
 
     print(f"\nbytes on the wire per element (scale: {SCALE_BYTES} bytes per tensor; target: within "
@@ -206,17 +199,12 @@ def main(argv: List[str] | None = None) -> int:
     targets = [r for r in rows if r["target"] is not None]
     failed = [r["name"] for r in targets if not r["pass"]] + [
         f"bytes b={b['bits']}" for b in bytes_rows if b["pass"] is False]
-    ok = not failed and bool(targets)
-    print(f"\ntargets (round trips <= {ROUND_TRIP_TARGET:g}x a read pass, packed bytes): {'PASS' if ok else 'FAIL'}"
-          + ("" if not failed else f"; missed: {'; '.join(failed)}"))
-
-    if args.json:
-        out = {"command": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "cpu": cpu_name(), "machine": platform.machine(), "numel": n, "bits": args.bits, "repeat": rep,
-               "c_kernels": have_c, "read_pass_ms": read_ms, "rows": rows, "bytes": bytes_rows, "targets_pass": ok}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.json}")
+    ok = kernel_table.verdict(f"round trips <= {ROUND_TRIP_TARGET:g}x a read pass, packed bytes", failed,
+                              bool(targets))
+    kernel_table.write_json(args.json, {
+        "command": sys.argv, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+        "machine": platform.machine(), "numel": n, "bits": args.bits, "repeat": rep, "c_kernels": have_c,
+        "read_pass_ms": read_ms, "rows": rows, "bytes": bytes_rows, "targets_pass": ok})
     return 0
 
 

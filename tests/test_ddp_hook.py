@@ -499,6 +499,29 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
         assert torch.allclose(sent_total + residual, expect, atol=1e-4), compressor
 
 
+def _hooked_variants(base: torch.nn.Module, dev: torch.device, variants: dict[str, dict]) -> dict[str, tuple]:
+    """One DDP copy of ``base`` on ``dev`` per variant, each with the adaptive hook and an AdaptiveState of the
+    variant's settings: {name: (model, state)}."""
+    runs = {}
+    for name, settings in variants.items():
+        d = DDP(copy.deepcopy(base), device_ids=[dev.index], bucket_cap_mb=0.1)
+        st = AdaptiveState(**settings)
+        d.register_comm_hook(st, adaptive_hook)
+        runs[name] = (d, st)
+    return runs
+
+
+def _step_all(plain: torch.nn.Module, runs: dict[str, tuple], step: int, dev: torch.device) -> bool:
+    """Backward of step ``step``'s batch through ``plain`` and every variant; whether variant "off" gave exactly
+    plain DDP's gradients."""
+    x, y = _batch(step)
+    x, y = x.to(dev), y.to(dev)
+    for m in [plain] + [d for d, _ in runs.values()]:
+        m.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    return all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), runs["off"][0].parameters()))
+
+
 def job_nccl(steps: int) -> dict:
     """On GPUs over NCCL: compression off equals DDP; static top-k, GraVAC and fp16 run and send fewer bytes."""
     import torch.distributed as dist
@@ -506,23 +529,12 @@ def job_nccl(steps: int) -> dict:
     dev = torch.device("cuda", dist.get_rank())
     base = _mlp().to(dev)
     plain = DDP(copy.deepcopy(base), device_ids=[dev.index], bucket_cap_mb=0.1)
-    runs = {}
-    variants = {"off": {"enabled": False}, "topk": {"policy": "static", "cf": 20, "min_compress_numel": 1024},
-                "gravac": {"cf_min": 4, "epsilon": 0.3, "window": 4, "min_compress_numel": 1024},
-                "fp16": {"policy": "fp16"}}
-    for name, settings in variants.items():
-        d = DDP(copy.deepcopy(base), device_ids=[dev.index], bucket_cap_mb=0.1)
-        st = AdaptiveState(**settings)
-        d.register_comm_hook(st, adaptive_hook)
-        runs[name] = (d, st)
+    runs = _hooked_variants(base, dev, {
+        "off": {"enabled": False}, "topk": {"policy": "static", "cf": 20, "min_compress_numel": 1024},
+        "gravac": {"cf_min": 4, "epsilon": 0.3, "window": 4, "min_compress_numel": 1024}, "fp16": {"policy": "fp16"}})
     equal = 0
     for step in range(steps):
-        x, y = _batch(step)
-        x, y = x.to(dev), y.to(dev)
-        for m in [plain] + [d for d, _ in runs.values()]:
-            m.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-        equal += all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), runs["off"][0].parameters()))
+        equal += _step_all(plain, runs, step, dev)
         finite = all(bool(torch.isfinite(p.grad).all()) for d, _ in runs.values() for p in d.parameters())
     return {"equal": equal, "finite": finite, "stats": {n: _stats(st) for n, (_, st) in runs.items()}}
 
@@ -559,21 +571,11 @@ def job_gloo_one_gpu(steps: int, only: list[str] | None = None, gloo_cuda_sync: 
                 "fp16": {"policy": "fp16"}}
     if only is not None:
         variants = {k: v for k, v in variants.items() if k == "off" or k in only}
-    runs = {}
-    for name, settings in variants.items():
-        d = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)
-        st = AdaptiveState(**settings)
-        d.register_comm_hook(st, adaptive_hook)
-        runs[name] = (d, st)
+    runs = _hooked_variants(base, dev, variants)
     equal, on_gpu, finite = 0, True, True
     checksums: dict[str, list[float]] = {n: [] for n in runs}
     for step in range(steps):
-        x, y = _batch(step)
-        x, y = x.to(dev), y.to(dev)
-        for m in [plain] + [d for d, _ in runs.values()]:
-            m.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-        equal += all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), runs["off"][0].parameters()))
+        equal += _step_all(plain, runs, step, dev)
         for name, (d, _) in runs.items():
             grads = [p.grad for p in d.parameters()]
             on_gpu &= all(g.device == dev for g in grads)

@@ -10,14 +10,12 @@ import logging
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -25,13 +23,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import sched_harness
+from sched_harness import ENV, daemons_for
 
 from crossover.scheduler import paths
 from crossover.scheduler.client import SchedulerClient
 from crossover.scheduler.protocol import MAX_MESSAGE, encode
-
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def daemon_pid(d: str) -> int | None:
@@ -42,55 +39,14 @@ def daemon_pid(d: str) -> int | None:
     return int(text) if text else None
 
 
-def daemons_for(d: str) -> list[int]:
-    """Pids of running daemon processes serving directory ``d``."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"crossover.scheduler.daemon" in cmd and d.encode() in cmd:
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
-                    out.append(int(pid))
-            except OSError:
-                pass
-    return out
-
-
-def kill_daemons(d: str) -> None:
-    for pid in daemons_for(d):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture
 def sched_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="xo-t-", dir="/tmp")  # short: Unix socket paths are limited to 107 bytes
-    try:
-        yield d
-    finally:
-        kill_daemons(d)
-        shutil.rmtree(d, ignore_errors=True)
+    yield from sched_harness.scratch_dir("xo-t-")
 
 
 def start_daemon(d: str, *args: str) -> subprocess.Popen[bytes]:
-    log = open(os.path.join(d, "daemon.log"), "ab")  # noqa: SIM115 - the daemon owns it
-    proc = subprocess.Popen([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", d,
-                             "--trace", os.path.join(d, "trace.jsonl"), *args],
-                            env=ENV, stdout=log, stderr=log, start_new_session=True)
-    log.close()
-    deadline = time.monotonic() + 10
-    while not os.path.exists(paths.socket_path(d)):
-        assert proc.poll() is None, Path(d, "daemon.log").read_text()
-        assert time.monotonic() < deadline, "daemon did not start"
-        time.sleep(0.02)
-    return proc
+    """A daemon for ``d`` that traces its decisions to ``d/trace.jsonl``."""
+    return sched_harness.start_daemon(d, "--trace", os.path.join(d, "trace.jsonl"), *args, timeout=10)
 
 
 def client(d: str, job: str, member: str = "r0", **kw: object) -> SchedulerClient:

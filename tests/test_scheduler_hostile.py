@@ -13,7 +13,6 @@ import logging
 import os
 import pwd
 import re
-import resource
 import secrets
 import shutil
 import signal
@@ -30,69 +29,22 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import sched_harness
+from sched_harness import ENV, daemons_for, start_daemon
 
 from crossover.scheduler import paths
 from crossover.scheduler.client import SchedulerClient
 from crossover.scheduler.protocol import encode
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 RUN = [sys.executable, "-m", "crossover.scheduler.run"]
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def daemons_for(d: str) -> list[int]:
-    """Pids of running daemon processes whose command line names directory ``d``."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if (b"crossover.scheduler.daemon" in cmd and d.encode() in cmd
-                    and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"):
-                out.append(int(pid))
-        except (OSError, IndexError):
-            continue
-    return out
-
-
-def kill_daemons(d: str) -> None:
-    for pid in daemons_for(d):
-        try:
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture
 def sched_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="xo-h-", dir="/tmp")  # short: Unix socket paths are limited to 107 bytes
-    try:
-        yield d
-    finally:
-        kill_daemons(d)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def start_daemon(d: str, *args: str, nofile: int | None = None) -> subprocess.Popen[bytes]:
-    """A daemon for ``d`` (optionally under ``ulimit -n nofile``), once its socket exists."""
-    def limit() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    with open(os.path.join(d, "daemon.log"), "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", d, *args],
-                                env=ENV, stdout=log, stderr=log, start_new_session=True, preexec_fn=limit)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(paths.socket_path(d)):
-        assert proc.poll() is None, Path(d, "daemon.log").read_text()
-        assert time.monotonic() < deadline, "daemon did not start"
-        time.sleep(0.02)
-    return proc
+    yield from sched_harness.scratch_dir("xo-h-")
 
 
 def cpu_seconds(pid: int) -> float:
