@@ -80,6 +80,19 @@ def _compression(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _methods(text: str) -> list[str]:
+    """A comma-separated list of two or more distinct --compression specs."""
+    methods = [_compression(m.strip()) for m in text.split(",") if m.strip()]
+    if len(methods) < 2 or len(set(methods)) != len(methods):
+        raise argparse.ArgumentTypeError(f"expected two or more distinct methods separated by commas, got {text!r}")
+    return methods
+
+
+def method_dir(method: str) -> str:
+    """The folder of one method's results under a --side-by-side run's --out (topk:100 -> topk100)."""
+    return method.replace(":", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The crossover-bench argument parser."""
     p = argparse.ArgumentParser(prog="crossover-bench", description=__doc__.splitlines()[0],
@@ -131,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compression", type=_compression, default="none",
                    help=f"gradient compression: {registry.COMPRESSION_HELP} (default none = dense fp32; "
                         "fp16 = Horovod's hvd.Compression.fp16)")
+    c.add_argument("--side-by-side", type=_methods, default=None, metavar="M1,M2,...",
+                   help="train these methods (each as --compression takes it) in one job, in turns of --block "
+                        "steps on the same batches, each on its own clock: a slow phase of the machine falls on "
+                        "all alike, so their times compare within one run. Output: one folder per method in --out")
+    c.add_argument("--block", type=_positive_int, default=10,
+                   help="with --side-by-side: steps each method runs per turn (default 10)")
     c.add_argument("--label", default=None,
                    help="name of this run in reports and comparisons (default: the --compression spec)")
     c.add_argument("--gravac-epsilon", type=_positive_float, default=None,
@@ -193,6 +212,9 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--tie-weights applies to --model lstm only")
     if a.hosts * a.np < 2:
         p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or --np 2)")
+    if a.side_by_side and (a.crossover or a.label or a.json or a.csv):
+        p.error("--side-by-side writes one folder per method under --out: it takes no --crossover, --label, --json "
+                "or --csv")
     if a.no_scheduler and not a.crossover:
         p.error("--no-scheduler only makes sense with --crossover")
     if a.delay is not None and not a.bandwidth:
@@ -236,7 +258,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def default_out(a: argparse.Namespace) -> Path:
     """results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH[-crossover]."""
-    method = a.compression.replace(":", "")
+    method = "+".join(method_dir(m) for m in a.side_by_side) if a.side_by_side else method_dir(a.compression)
     name = f"{a.model}-{a.dataset}-{method}-{a.hosts}x{a.np}-{a.bandwidth or 'loopback'}"
     return Path("results") / "bench" / (name + ("-crossover" if a.crossover else ""))
 
@@ -393,6 +415,15 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
             else:
                 results[name] = _run_horovodrun(a.hosts * a.np, cmd, job_env, log, a.timeout, a.verbose)
 
+        if a.side_by_side:  # one job trains every method
+            paths = [str(c) for c in configs.values()]
+            cmd = [sys.executable, "-m", "benchmarks.trainer", "--block", str(a.block), *paths]
+            env_one = {**env, "CROSSOVER_SCHED": "0"}
+            log = work.parent / "job.log"
+            with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
+                rc = (_run_netem(cluster, a.np, cmd, env_one, log, a.timeout, a.verbose) if cluster is not None
+                      else _run_horovodrun(a.hosts * a.np, cmd, env_one, log, a.timeout, a.verbose))
+            return {n: rc for n in configs}
         threads = [threading.Thread(target=one, args=(n, c)) for n, c in configs.items()]
         with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
             for t in threads:
@@ -457,14 +488,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate(p, a)
     out = Path(a.out) if a.out else default_out(a)
     out.mkdir(parents=True, exist_ok=True)
-    names = ["jobA", "jobB"] if a.crossover else ["job"]
+    names = ["jobA", "jobB"] if a.crossover else a.side_by_side or ["job"]
     configs: dict[str, Path] = {}
     for n in names:
-        job_out = out / n if a.crossover else out
+        job_out = out / n if a.crossover else out / method_dir(n) if a.side_by_side else out
         job_out.mkdir(parents=True, exist_ok=True)
         for stale in ("raw.json", "progress", "policy.rank0.csv"):  # policy.rank0.csv: the trainer's log_csv
             (job_out / stale).unlink(missing_ok=True)
         cfg = make_config(a, job_out)
+        if a.side_by_side:
+            cfg.update(compression=n, label=n, side_by_side={"methods": a.side_by_side, "block": a.block})
         cfg["command"] = "crossover-bench " + " ".join(sys.argv[1:] if argv is None else argv)
         path = job_out / "config.json"
         path.write_text(json.dumps(cfg, indent=1))
@@ -473,14 +506,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir()
-    print(f"crossover-bench: {a.model} / {a.dataset} / {a.compression} on {a.hosts} host(s) x {a.np} rank(s), "
+    methods = ",".join(a.side_by_side or [a.compression])
+    print(f"crossover-bench: {a.model} / {a.dataset} / {methods} on {a.hosts} host(s) x {a.np} rank(s), "
           f"{a.bandwidth or 'loopback (unshaped)'}{', crossover x2' if a.crossover else ''}; output in {out}",
           flush=True)
     started = time.time()
     status = launch(a, configs, work)
     failed = [n for n, rc in status.items() if rc]
     for n in failed:
-        log = configs[n].parent / "job.log"
+        log = out / "job.log" if a.side_by_side else configs[n].parent / "job.log"
         print(f"\n{n} failed (exit {status[n]}); last lines of {log}:\n{_tail(log)}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
     from benchmarks import report
@@ -491,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         cfg = json.loads(cfg_path.read_text())
         raw = json.loads(raw_path.read_text())
-        single = not a.crossover
+        single = not a.crossover and not a.side_by_side
         res = report.write_run(raw, cfg, cfg_path.parent,
                                json_path=Path(a.json) if a.json and single else None,
                                csv_path=Path(a.csv) if a.csv and single else None, plots=not a.no_plots)

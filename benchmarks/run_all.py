@@ -39,6 +39,8 @@ def image_dir(report: Path) -> Path:
 #: their defaults (`gravac` is `AdaptiveCompression()` exactly as the README writes it; `dqsgd` is
 #: `AdaptiveCompression(policy="dqsgd", total_steps=T)`)
 TTA_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "dqsgd", "gravac"]
+#: steps each method runs per turn in a side-by-side section
+SIDE_BY_SIDE_BLOCK = 10
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class TtaTask:
     repeats: int = 1
     note: str = ""
     compute_bound: bool = False  # compression cannot pay here: issue 12 also asks for <= 1.05x dense's time
+    side_by_side: bool = False  # every method of a repeat in one job, in turns (crossover-bench --side-by-side)
 
 
 def tta_tasks(quick: bool) -> list[TtaTask]:
@@ -73,8 +76,12 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 "100mbit", digits_len, 5),
         TtaTask("tta-1gbit", "digits MLP (width 4), 2 emulated hosts at 1 Gbit/s", (*mlp, "--width", "4"), 2,
                 "1gbit", digits_len, 5, repeats=1 if quick else 2),
+        # Side by side (every method of a repeat in one job, in turns of 10 steps): run by run, with 4 ranks on 2
+        # cores, the adaptive runs took 0.70x to 1.49x static top-k 100x's time over four seeds while sending the
+        # same CF on the same steps (docs/gravac.md, "Runs G and H"): separate runs compared the machine's phases.
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
-                "a core)", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5, repeats=1 if quick else 2),
+                "a core), methods side by side", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5,
+                repeats=1 if quick else 2, side_by_side=True),
         # 300 steps with a cosine learning rate: at a constant rate, cut at 150 steps, every curve still fell 4 %
         # per 10 steps at the end (dense: 9.45, 8.64, 8.20, 7.89), so a run one evaluation behind missed dense's
         # final perplexity. Decayed over 300 steps (seed 0, one trial run), dense held within 1 % of its final
@@ -97,11 +104,13 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                  "--num-classes", "10", "--batch-size", "32", "--lr", "0.01", "--lr-schedule", "cosine", *synth,
                  "--synthetic-noise", "0.5", "--eval-samples", "512"), 2, "1gbit",
                 short or ("--epochs", "1"), 5, repeats=1 if quick else 3),
+        # Side by side: its target (<= 1.05x dense) is finer than the spread of separate runs here (dense alone
+        # took 16.6 to 25.6 s over three seeds in run H, its 20-step medians 176 to 272 ms).
         TtaTask("tta-resnet18", "ResNet-18 (CIFAR shape, quarter width), synthetic images (noise 0.5), 2 emulated "
-                "hosts at 1 Gbit/s: compute-bound here, compression cannot pay",
+                "hosts at 1 Gbit/s: compute-bound here, compression cannot pay; methods side by side",
                 ("--model", "resnet18", "--dataset", "cifar10", "--width", "0.25", *synth, "--synthetic-noise", "0.5",
                  "--eval-samples", "512"), 2, "1gbit", short or ("--epochs", "1", "--max-steps", "100"), 10,
-                repeats=1 if quick else 3, compute_bound=True),
+                repeats=1 if quick else 3, compute_bound=True, side_by_side=True),
     ]
 
 
@@ -110,6 +119,15 @@ def tta_runs(out: Path, task: TtaTask) -> list[Run]:
     common = [*task.args, "--hosts", str(task.hosts), "--bandwidth", task.rate, *task.length, "--warmup", "5",
               "--eval-every", str(task.eval_every)]
     runs = []
+    if task.side_by_side:
+        from benchmarks.cli import method_dir
+
+        for rep in range(1, task.repeats + 1):
+            sbs = out / f"side-by-side-{rep}"
+            argv = [sys.executable, "-m", "benchmarks.cli", *common, "--seed", str(rep - 1), "--side-by-side",
+                    ",".join(TTA_METHODS), "--block", str(SIDE_BY_SIDE_BLOCK), "--out", str(sbs)]
+            runs.append(Run(argv, [sbs / method_dir(m) / "results.json" for m in TTA_METHODS]))
+        return runs
     for rep in range(1, task.repeats + 1):
         # Repeat N runs with seed N-1 (model, data order, synthetic data): repeats with one seed would sample only
         # the machine's timing noise, and a method's luck on one seed (VGG-16: 1.04x the oracle on seed 0, 1.17x
@@ -122,10 +140,11 @@ def tta_runs(out: Path, task: TtaTask) -> list[Run]:
 
 @dataclass
 class Run:
-    """One command of a section; ``result`` is the results.json it writes (crossover-bench runs)."""
+    """One command of a section; ``results``: the results.json files it writes (crossover-bench runs: one, or one
+    per method side by side)."""
 
     argv: list[str]
-    result: Path | None = None
+    results: list[Path] = field(default_factory=list)
 
 
 @dataclass
@@ -149,7 +168,7 @@ def _bench(out: Path, *args: str, label: str | None = None) -> Run:
     argv = [sys.executable, "-m", "benchmarks.cli", *args, "--out", str(run_dir)]
     if label:
         argv += ["--label", label]
-    return Run(argv, run_dir / "results.json")
+    return Run(argv, [run_dir / "results.json"])
 
 
 def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list[Section]:
@@ -195,7 +214,12 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
             f"{task.eval_every} steps. `gravac` and `dqsgd` run with their defaults. The oracle static choice is "
             "the fastest to the target of dense, fp16 and static top-k 10/100/1000 on this workload"
             + (f"; {task.repeats} repeats of each method (medians; the spread in brackets)." if task.repeats > 1
-               else "."),
+               else ".")
+            + (f" Side by side: each repeat is one job that trains every method in turns of {SIDE_BY_SIDE_BLOCK} "
+               "steps on the same batches, each on its own clock (its own steps and data loading), so that a slow "
+               "phase of the machine falls on every method alike; an adaptive method sees the others' turns as "
+               "pauses between two of its steps, which its policy leaves out of its step times."
+               if task.side_by_side else ""),
             tta_runs(out / task.key, task), needs_netem=True, render=render_compare))
     s.append(Section(
         "ddp", "PyTorch DDP communication hooks at 1 Gbit/s, 2 emulated hosts",
@@ -241,11 +265,10 @@ def render_compare(section: Section, img_dir: Path) -> str:
     """The comparison table of a section's crossover-bench runs, and its plots."""
     from benchmarks import report
 
-    paths = [r.result for r in section.runs if r.result is not None and r.result.is_file()]
+    paths = [p for r in section.runs for p in r.results if p.is_file()]
     if not paths:
         return "_no run finished_\n"
-    out = paths[0].parent.parent / "compare"
-    res = report.compare(paths, out)
+    res = report.compare(paths, _compare_dir(section))
     section.images += [Path(f) for f in res["files"] if f.endswith(".png")]
     return res["table"] + "\n"
 
@@ -335,8 +358,15 @@ def targets(secs: list[Section]) -> list[str]:
     return lines
 
 
+def _compare_dir(sec: Section) -> Path | None:
+    """Where a section's comparison goes: next to its run folders (the folder they all share)."""
+    dirs = [str(p.parent) for r in sec.runs for p in r.results]
+    return Path(os.path.commonpath(dirs)) / "compare" if dirs else None
+
+
 def _compare_rows(sec: Section) -> dict[str, dict[str, Any]]:
-    cmp = next((r.result.parent.parent / "compare" / "compare.json" for r in sec.runs if r.result), None)
+    cmp = _compare_dir(sec)
+    cmp = cmp / "compare.json" if cmp is not None else None
     if cmp is None or not cmp.is_file():
         return {}
     return {r["method"]: r for r in json.loads(cmp.read_text())["rows"]}
@@ -504,8 +534,9 @@ def _forget(sec: Section, out: Path) -> None:
         if log.stem.rsplit("-", 1)[0] == sec.key:
             log.unlink()
     for run in sec.runs:
-        if run.result is not None and run.result.parent.is_dir():
-            shutil.rmtree(run.result.parent)
+        for result in run.results:
+            if result.parent.is_dir():
+                shutil.rmtree(result.parent)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,22 +92,190 @@ def evaluate(model: torch.nn.Module, data: Any, text: bool, batch_size: int, hvd
     return {"eval_loss": loss, "accuracy": float(sums[2]) / n, "top5": float(sums[3]) / n, "eval_count": n}
 
 
-def run(cfg: dict[str, Any]) -> None:
-    """Train as configured by the CLI; rank 0 writes raw.json (steps, evaluations, metadata) to cfg['out']."""
-    if cfg.get("pin"):
+class _Training:
+    """One configured training (model, data, compression, optimizer) that advances a step at a time and keeps
+    its own clock: ``train_s`` counts only its own steps (data loading included), so several can share one
+    process in turns (``run_side_by_side``) and each still measures what it alone costs."""
+
+    def __init__(self, cfg: dict[str, Any], data: Any, hvd: Any, index: int = 0) -> None:
+        from benchmarks.datasets import TextData
+        from benchmarks.methods import ByteCounter, CompressionOptions, make_compression
+        from benchmarks.models import build_model, count_parameters
+        from benchmarks.registry import parse_compression
+
+        self.cfg, self.data, self.hvd = cfg, data, hvd
+        rank, size = hvd.rank(), hvd.size()
+        self.out = Path(cfg["out"])
+        self.seed = int(cfg["seed"])
+        torch.manual_seed(self.seed)
+        self.text = text = isinstance(data, TextData)
+        self.batch = batch = int(cfg["batch_size"])
+        per_epoch = data.steps_per_epoch(size, batch)
+        if per_epoch < 1:
+            raise SystemExit(f"{cfg['dataset']}: too little training data for {size} ranks x batch {batch} "
+                             f"(each rank gets {(len(data.train_ids) if text else data.train_size) // size} "
+                             f"{'tokens' if text else 'samples'}); "
+                             "lower --batch-size or use more data")
+        if cfg.get("steps_per_epoch"):
+            per_epoch = min(per_epoch, int(cfg["steps_per_epoch"]))
+        self.per_epoch = per_epoch
+        total = per_epoch * int(cfg["epochs"])
+        if cfg.get("max_steps"):
+            total = min(total, int(cfg["max_steps"]))
+        self.total = total
+        self.model = model = build_model(cfg["model"], cfg["dataset"], data.num_classes,
+                                         width=float(cfg.get("width", 1.0)), image_size=cfg.get("image_size"),
+                                         tie_weights=bool(cfg.get("tie_weights", False)),
+                                         in_channels=None if text else data.shape[0])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        method = parse_compression(cfg["compression"])
+        window = cfg.get("gravac_window")
+        opts = CompressionOptions(total_steps=total, gravac_epsilon=cfg.get("gravac_epsilon"),
+                                  gravac_window=None if window is None else int(window),
+                                  gravac_cf_min=cfg.get("gravac_cf_min"), gravac_cf_max=cfg.get("gravac_cf_max"),
+                                  gravac_compressor=cfg.get("gravac_compressor", "topk"),
+                                  min_compress_numel=cfg.get("min_compress_numel"), seed=self.seed,
+                                  log_csv=str(self.out / "policy.csv") if rank == 0 else None)
+        self.compression = make_compression(method, opts)
+        self.base_lr = float(cfg["lr"])
+        self.sgd = torch.optim.SGD(model.parameters(), lr=self.base_lr, momentum=float(cfg["momentum"]),
+                                   weight_decay=float(cfg.get("weight_decay", 0.0)))
+        # Parameter names are the collectives' names: trainings sharing a process need their own.
+        named = [(f"t{index}.{n}" if index else n, p) for n, p in model.named_parameters()]
+        self.opt = hvd.DistributedOptimizer(self.sgd, named_parameters=named, compression=self.compression)
+        self.counter = ByteCounter(method, self.compression, model)
+        self.clip = float(cfg.get("clip") or 0.0)
+        self.cosine = cfg.get("lr_schedule") == "cosine"
+        self.eval_every = int(cfg.get("eval_every") or 0)
+        self.eval_batch = int(cfg.get("eval_batch_size") or batch)
+        self.me = rank == 0
+        if self.me:
+            self.out.mkdir(parents=True, exist_ok=True)
+            log.info("%s; %s on %d ranks, %.2f M parameters, %d steps (%d per epoch), %s", data.info, cfg["model"],
+                     size, count_parameters(model) / 1e6, total, per_epoch, cfg["compression"])
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.meta = {"rank0_host": os.environ.get("HOROVOD_HOSTNAME", ""), "size": size,
+                     "parameters": count_parameters(model), "gradient_bytes_dense": self.counter.dense_per_step,
+                     "steps_per_epoch": per_epoch, "total_steps": total, "data_info": data.info,
+                     "num_classes": data.num_classes, "text": text, "metric": "perplexity" if text else "accuracy",
+                     "job": os.environ.get("CROSSOVER_JOB", ""),
+                     "gravac_window": window if method.kind == "gravac" else None}
+        self.step = 0
+        self.epoch = 0
+        self.train_s = 0.0
+        self.wall_s = 0.0  # this training's own time, evaluations included
+        self._batches: Any = None
+        self._in_epoch = 0
+        self._state: Any = None  # the LSTM's hidden state, carried across windows of an epoch
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total
+
+    def save(self, done: bool) -> None:
+        if self.me:
+            _write_atomic(self.out / "raw.json", json.dumps({"meta": {**self.meta, "finished": done},
+                                                             "steps": self.steps, "evals": self.evals}))
+
+    def _evaluate(self) -> None:
+        t = time.perf_counter()
+        res = evaluate(self.model, self.data, self.text, self.eval_batch, self.hvd)
+        self.evals.append({"epoch": self.epoch, "step": self.step, "train_s": self.train_s,
+                           "wall_s": self.wall_s + time.perf_counter() - t, "eval_s": time.perf_counter() - t, **res})
+        self.wall_s += time.perf_counter() - t
+        if self.me:
+            metric = f"perplexity {res['perplexity']:.2f}" if self.text else f"accuracy {res['accuracy']:.4f}"
+            log.info("%s epoch %d step %d: %s (train %.1f s)", self.cfg["compression"], self.epoch, self.step,
+                     metric, self.train_s)
+        self.save(False)
+
+    def _new_epoch(self) -> None:
+        """Evaluate at the end of an epoch (not on the clock), then start the next one."""
+        if self._batches is not None:
+            self._evaluate()
+        self.epoch += 1
+        self._batches = iter(self.data.train_batches(self.epoch, self.hvd.rank(), self.hvd.size(), self.batch,
+                                                     self.seed))
+        self._in_epoch, self._state = 0, None
+
+    def _next_batch(self) -> tuple[Any, float]:
+        """(the next training batch, the time its clock starts): the data loading counts, evaluations do not."""
+        if self._batches is None or self._in_epoch >= self.per_epoch:
+            self._new_epoch()
+        while True:
+            t_data = time.perf_counter()
+            try:
+                batch = next(self._batches)
+                self._in_epoch += 1
+                return batch, t_data
+            except StopIteration:  # fewer batches than steps_per_epoch said: the epoch ends here
+                self._new_epoch()
+
+    def run_steps(self, n: int) -> None:
+        """Up to ``n`` more steps (fewer at the end), each timed from the request of its batch."""
+        for _ in range(n):
+            if self.done:
+                return
+            (x, y), t_data = self._next_batch()
+            t0 = time.perf_counter()
+            if self.cosine:
+                for g in self.sgd.param_groups:
+                    g["lr"] = self.base_lr * 0.5 * (1.0 + math.cos(math.pi * self.step / self.total))
+            self.opt.zero_grad()
+            if self.text:
+                if self._state is not None:
+                    self._state = (self._state[0].detach(), self._state[1].detach())
+                logits, self._state = self.model(x, self._state)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            else:
+                loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            if self.clip > 0:
+                self.opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+                with self.opt.skip_synchronize():
+                    self.opt.step()
+            else:
+                self.opt.step()
+            t1 = time.perf_counter()
+            loss_v = loss.item()
+            self.step += 1
+            self.train_s += t1 - t_data
+            self.wall_s += t1 - t_data
+            sent, dense, cf, bits = self.counter.step()
+            if self.me:
+                self.steps.append({"step": self.step, "epoch": self.epoch, "t": round(self.train_s, 6),
+                                   "time": round(time.time(), 6), "step_s": round(t1 - t0, 6),
+                                   "data_s": round(t0 - t_data, 6), "loss": loss_v, "bytes_sent": sent,
+                                   "bytes_dense": dense, "cf": cf, "bits": bits,
+                                   "lr": self.sgd.param_groups[0]["lr"]})
+                _write_atomic(self.out / "progress", f"{self.step} {self.total} {loss_v:.4f}")
+            if self.eval_every and self.step % self.eval_every == 0 and not self.done:
+                self._evaluate()
+
+    def finish(self) -> None:
+        self._evaluate()
+        self.meta["wall_s"] = self.wall_s
+        self.meta["train_s"] = self.train_s
+        if hasattr(self.compression, "stats"):
+            st = self.compression.stats()
+            self.meta["compression_stats"] = {k: v for k, v in st.items() if k != "policy"}
+        self.save(True)
+
+
+def _start(cfgs: list[dict[str, Any]]) -> tuple[Any, list[_Training], float]:
+    """Horovod, the data set (shared: the configs differ only in the method) and one training per config."""
+    if cfgs[0].get("pin"):
         _pin()
     setup_start = time.time()
     import horovod.torch as hvd
 
-    from benchmarks.datasets import TextData, load_dataset
-    from benchmarks.methods import ByteCounter, CompressionOptions, make_compression
-    from benchmarks.models import build_model, count_parameters
-    from benchmarks.registry import parse_compression
+    from benchmarks.datasets import load_dataset
 
     hvd.init()
+    cfg = cfgs[0]
     torch.set_num_threads(int(cfg.get("threads", 1)))
-    rank, size = hvd.rank(), hvd.size()
-    out = Path(cfg["out"])
     seed = int(cfg["seed"])
     torch.manual_seed(seed)
     data = load_dataset(cfg["dataset"], cfg["data"], image_size=cfg.get("image_size"),
@@ -115,136 +283,55 @@ def run(cfg: dict[str, Any]) -> None:
                         eval_samples=cfg.get("eval_samples"), vocab_size=cfg.get("vocab_size"),
                         seq_len=int(cfg.get("seq_len", 35)), augment=bool(cfg.get("augment", True)),
                         noise=float(cfg.get("synthetic_noise", 3.0)), seed=seed)
-    text = isinstance(data, TextData)
-    batch = int(cfg["batch_size"])
-    per_epoch = data.steps_per_epoch(size, batch)
-    if per_epoch < 1:
-        raise SystemExit(f"{cfg['dataset']}: too little training data for {size} ranks x batch {batch} "
-                         f"(each rank gets {(len(data.train_ids) if text else data.train_size) // size} "
-                         f"{'tokens' if text else 'samples'}); "
-                         "lower --batch-size or use more data")
-    if cfg.get("steps_per_epoch"):
-        per_epoch = min(per_epoch, int(cfg["steps_per_epoch"]))
-    total = per_epoch * int(cfg["epochs"])
-    if cfg.get("max_steps"):
-        total = min(total, int(cfg["max_steps"]))
-    model = build_model(cfg["model"], cfg["dataset"], data.num_classes, width=float(cfg.get("width", 1.0)),
-                        image_size=cfg.get("image_size"), tie_weights=bool(cfg.get("tie_weights", False)),
-                        in_channels=None if text else data.shape[0])
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    method = parse_compression(cfg["compression"])
-    window = cfg.get("gravac_window")
-    opts = CompressionOptions(total_steps=total, gravac_epsilon=cfg.get("gravac_epsilon"),
-                              gravac_window=None if window is None else int(window),
-                              gravac_cf_min=cfg.get("gravac_cf_min"), gravac_cf_max=cfg.get("gravac_cf_max"),
-                              gravac_compressor=cfg.get("gravac_compressor", "topk"),
-                              min_compress_numel=cfg.get("min_compress_numel"), seed=seed,
-                              log_csv=str(out / "policy.csv") if rank == 0 else None)
-    compression = make_compression(method, opts)
+    runs = [_Training(c, data, hvd, i) for i, c in enumerate(cfgs)]
+    return hvd, runs, setup_start
+
+
+def run(cfg: dict[str, Any]) -> None:
+    """Train as configured by the CLI; rank 0 writes raw.json (steps, evaluations, metadata) to cfg['out']."""
+    hvd, (tr,), setup_start = _start([cfg])
     _gate()  # with --crossover: both jobs start training together (before the optimizer takes the device)
-    base_lr = float(cfg["lr"])
-    sgd = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=float(cfg["momentum"]),
-                          weight_decay=float(cfg.get("weight_decay", 0.0)))
-    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression)
-    counter = ByteCounter(method, compression, model)
-    clip = float(cfg.get("clip") or 0.0)
-    cosine = cfg.get("lr_schedule") == "cosine"
-    eval_every = int(cfg.get("eval_every") or 0)
-    eval_batch = int(cfg.get("eval_batch_size") or batch)
-    progress = out / "progress"
-    me = rank == 0
-    if me:
-        out.mkdir(parents=True, exist_ok=True)
-        log.info("%s; %s on %d ranks, %.2f M parameters, %d steps (%d per epoch)", data.info, cfg["model"], size,
-                 count_parameters(model) / 1e6, total, per_epoch)
-    steps: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-    meta = {"rank0_host": os.environ.get("HOROVOD_HOSTNAME", ""), "size": size, "parameters": count_parameters(model),
-            "gradient_bytes_dense": counter.dense_per_step, "steps_per_epoch": per_epoch, "total_steps": total,
-            "data_info": data.info, "num_classes": data.num_classes, "text": text,
-            "metric": "perplexity" if text else "accuracy", "job": os.environ.get("CROSSOVER_JOB", ""),
-            "gravac_window": window if method.kind == "gravac" else None}
-
-    def save(done: bool) -> None:
-        if me:
-            _write_atomic(out / "raw.json", json.dumps({"meta": {**meta, "finished": done}, "steps": steps,
-                                                        "evals": evals}))
-
-    def do_eval(epoch: int, step: int) -> None:
-        t = time.perf_counter()
-        res = evaluate(model, data, text, eval_batch, hvd)
-        evals.append({"epoch": epoch, "step": step, "train_s": train_s, "wall_s": time.perf_counter() - t_start,
-                      "eval_s": time.perf_counter() - t, **res})
-        if me:
-            metric = f"perplexity {res['perplexity']:.2f}" if text else f"accuracy {res['accuracy']:.4f}"
-            log.info("epoch %d step %d: %s (train %.1f s)", epoch, step, metric, train_s)
-        save(False)
-
     hvd.allreduce(torch.zeros(1), name="bench.ready")  # start the clock together
-    meta["setup_s"] = time.time() - setup_start
-    t_start = time.perf_counter()
-    train_s = 0.0
-    step = 0
-    model.train()
-    for epoch in range(1, int(cfg["epochs"]) + 1):
-        if step >= total:
-            break
-        state = None
-        t_data = time.perf_counter()
-        for i, (x, y) in enumerate(data.train_batches(epoch, rank, size, batch, seed)):
-            if i >= per_epoch or step >= total:
-                break
-            t0 = time.perf_counter()
-            if cosine:
-                for g in sgd.param_groups:
-                    g["lr"] = base_lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
-            opt.zero_grad()
-            if text:
-                if state is not None:
-                    state = (state[0].detach(), state[1].detach())
-                logits, state = model(x, state)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            else:
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            if clip > 0:
-                opt.synchronize()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                with opt.skip_synchronize():
-                    opt.step()
-            else:
-                opt.step()
-            t1 = time.perf_counter()
-            loss_v = loss.item()
-            step += 1
-            train_s += t1 - t_data
-            sent, dense, cf, bits = counter.step()
-            if me:
-                steps.append({"step": step, "epoch": epoch, "t": round(train_s, 6), "time": round(time.time(), 6),
-                              "step_s": round(t1 - t0, 6), "data_s": round(t0 - t_data, 6), "loss": loss_v,
-                              "bytes_sent": sent, "bytes_dense": dense, "cf": cf, "bits": bits,
-                              "lr": sgd.param_groups[0]["lr"]})
-                _write_atomic(progress, f"{step} {total} {loss_v:.4f}")
-            if eval_every and step % eval_every == 0 and step < total:
-                do_eval(epoch, step)
-            t_data = time.perf_counter()
-        do_eval(epoch, step)
-    meta["wall_s"] = time.perf_counter() - t_start
-    meta["train_s"] = train_s
-    if hasattr(compression, "stats"):
-        st = compression.stats()
-        meta["compression_stats"] = {k: v for k, v in st.items() if k != "policy"}
-    save(True)
+    tr.meta["setup_s"] = time.time() - setup_start
+    tr.model.train()
+    tr.run_steps(tr.total)
+    tr.finish()
+
+
+def run_side_by_side(cfgs: list[dict[str, Any]], block: int) -> None:
+    """Train every config in one job, in turns of ``block`` steps each (the same batches, each its own clock):
+    a slow phase of the machine then falls on all of them alike, and their times compare within one run.
+    An adaptive method sees each turn of the others as a pause between two of its steps (as it sees an
+    evaluation); its policy leaves such pauses out of its step times."""
+    hvd, runs, setup_start = _start(cfgs)
+    hvd.allreduce(torch.zeros(1), name="bench.ready")
+    for tr in runs:
+        tr.meta.update(setup_s=time.time() - setup_start, side_by_side={"block": block, "with": len(runs)})
+        tr.model.train()
+    while not all(tr.done for tr in runs):
+        for tr in runs:
+            tr.run_steps(block)
+    for tr in runs:
+        tr.finish()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point on each rank: read the JSON config named on the command line and train."""
+    """Entry point on each rank: read the JSON config(s) named on the command line and train (several configs:
+    side by side, in turns of ``--block`` steps)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.stderr.write("usage: python -m benchmarks.trainer CONFIG.json (written by crossover-bench)\n")
+    block = 0
+    if len(args) >= 2 and args[0] == "--block":
+        block, args = int(args[1]), args[2:]
+    if not args or (len(args) > 1 and block < 1):
+        sys.stderr.write("usage: python -m benchmarks.trainer [--block N CONFIG.json ...] CONFIG.json "
+                         "(written by crossover-bench)\n")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    run(json.loads(Path(args[0]).read_text()))
+    cfgs = [json.loads(Path(a).read_text()) for a in args]
+    if len(cfgs) == 1:
+        run(cfgs[0])
+    else:
+        run_side_by_side(cfgs, block)
     return 0
 
 

@@ -73,6 +73,10 @@ BAD = [
     (["--model", "resnet18", *SYN, "--no-scheduler"], "only makes sense with --crossover"),
     (["--model", "resnet18", *SYN, "--delay", "1ms"], "--delay needs --bandwidth"),
     (["--model", "resnet18", *SYN, "--bandwidth", "fast"], None),  # netem's reason or the rate parse error
+    (["--model", "resnet18", *SYN, "--side-by-side", "none"], "two or more distinct methods"),
+    (["--model", "resnet18", *SYN, "--side-by-side", "none,topk:10,none"], "two or more distinct methods"),
+    (["--model", "resnet18", *SYN, "--side-by-side", "none,topk:0"], "topk:CF needs 1 < CF"),
+    (["--model", "resnet18", *SYN, "--side-by-side", "none,fp16", "--crossover"], "takes no --crossover"),
 ]
 
 
@@ -178,6 +182,36 @@ def test_crossover_runs_two_jobs_with_a_timeline(tmp_path: Path) -> None:
     assert all(j["steps"] >= 10 for j in both["telemetry"]["jobs"].values())
     assert (out / "timeline.png").read_bytes()[:8] == PNG
     assert json.loads((out / "timeline.json").read_text())["traceEvents"]
+
+
+def test_side_by_side_trains_every_method_in_one_job_on_its_own_clock(tmp_path: Path) -> None:
+    """Three methods in one job, in turns of 3 steps: each writes a whole run of its own, all start from the same
+    weights on the same batches, and dense trains exactly as it does alone (same losses on every step)."""
+    common = ["--model", "mlp", "--width", "0.25", "--dataset", "digits", "--epochs", "2", "--steps-per-epoch", "5",
+              "--eval-every", "2", "--warmup", "1", "--no-plots", "--min-compress-numel", "1024"]
+    out = tmp_path / "sbs"
+    proc = run_cli([*common, "--side-by-side", "none,topk:10,gravac", "--block", "3", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {m: check_run(out / d, steps=10, epochs=2, plots=()) for m, d in
+            (("none", "none"), ("topk:10", "topk10"), ("gravac", "gravac"))}
+    for m, res in runs.items():
+        assert res["summary"]["method"] == m and res["config"]["side_by_side"]["block"] == 3
+        assert res["meta"]["side_by_side"] == {"block": 3, "with": 3}
+        steps = res["steps"]
+        # its own clock: the training time is the sum of its own steps (data included), not the job's wall time
+        own = sum(r["step_s"] + r["data_s"] for r in steps)
+        assert abs(res["meta"]["train_s"] - own) < 0.05 * own + 0.01
+        assert [e["step"] for e in res["evals"]] == [2, 4, 5, 6, 8, 10]
+    first = {m: res["steps"][0]["loss"] for m, res in runs.items()}
+    assert len(set(first.values())) == 1, first  # same initial weights, same first batch
+    assert runs["topk:10"]["summary"]["compression_ratio"] > 2
+    assert runs["none"]["steps"][-1]["loss"] != runs["topk:10"]["steps"][-1]["loss"]
+    alone = tmp_path / "alone"
+    proc = run_cli([*common, "--compression", "none", "--out", str(alone)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    solo = json.loads((alone / "results.json").read_text())
+    assert [r["loss"] for r in solo["steps"]] == [r["loss"] for r in runs["none"]["steps"]]
+    assert [e["accuracy"] for e in solo["evals"]] == [e["accuracy"] for e in runs["none"]["evals"]]
 
 
 # ------------------------------------------------------------------ comparison report (no Horovod)
@@ -289,6 +323,21 @@ def test_tta_repeats_run_on_different_seeds_shared_by_every_method(tmp_path: Pat
     assert len(seeds) == task.repeats
     assert all(len(s) == 1 for s in seeds.values())  # one seed per repeat, the same for every method
     assert len({next(iter(s)) for s in seeds.values()}) == task.repeats  # a different one for each repeat
+
+
+def test_side_by_side_sections_run_every_method_of_a_repeat_in_one_job(tmp_path: Path) -> None:
+    from benchmarks import run_all
+
+    task = next(t for t in run_all.tta_tasks(quick=False) if t.side_by_side and t.compute_bound)
+    runs = run_all.tta_runs(tmp_path / task.key, task)
+    assert len(runs) == task.repeats
+    seeds = [r.argv[r.argv.index("--seed") + 1] for r in runs]
+    assert len(set(seeds)) == task.repeats
+    for r in runs:
+        assert r.argv[r.argv.index("--side-by-side") + 1].split(",") == run_all.TTA_METHODS
+        assert len(r.results) == len(run_all.TTA_METHODS) and "--compression" not in r.argv
+    sec = run_all.Section(task.key, "t", "a", runs)
+    assert run_all._compare_dir(sec) == tmp_path / task.key / "compare"
 
 
 def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
