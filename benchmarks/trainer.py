@@ -140,9 +140,8 @@ class _Training:
         self.base_lr = float(cfg["lr"])
         self.sgd = torch.optim.SGD(model.parameters(), lr=self.base_lr, momentum=float(cfg["momentum"]),
                                    weight_decay=float(cfg.get("weight_decay", 0.0)))
-        # Parameter names are the collectives' names: trainings sharing a process need their own.
-        named = [(f"t{index}.{n}" if index else n, p) for n, p in model.named_parameters()]
-        self.opt = hvd.DistributedOptimizer(self.sgd, named_parameters=named, compression=self.compression)
+        self._index = index
+        self.opt: Any = None  # attach_optimizer()
         self.counter = ByteCounter(method, self.compression, model)
         self.clip = float(cfg.get("clip") or 0.0)
         self.cosine = cfg.get("lr_schedule") == "cosine"
@@ -168,6 +167,12 @@ class _Training:
         self._batches: Any = None
         self._in_epoch = 0
         self._state: Any = None  # the LSTM's hidden state, carried across windows of an epoch
+
+    def attach_optimizer(self) -> None:
+        """Horovod's DistributedOptimizer (under crossover scheduling, building it takes the device)."""
+        # Parameter names are the collectives' names: trainings sharing a process need their own.
+        named = [(f"t{self._index}.{n}" if self._index else n, p) for n, p in self.model.named_parameters()]
+        self.opt = self.hvd.DistributedOptimizer(self.sgd, named_parameters=named, compression=self.compression)
 
     @property
     def done(self) -> bool:
@@ -291,6 +296,7 @@ def run(cfg: dict[str, Any]) -> None:
     """Train as configured by the CLI; rank 0 writes raw.json (steps, evaluations, metadata) to cfg['out']."""
     hvd, (tr,), setup_start = _start([cfg])
     _gate()  # with --crossover: both jobs start training together (before the optimizer takes the device)
+    tr.attach_optimizer()
     hvd.allreduce(torch.zeros(1), name="bench.ready")  # start the clock together
     tr.meta["setup_s"] = time.time() - setup_start
     tr.model.train()
@@ -304,6 +310,8 @@ def run_side_by_side(cfgs: list[dict[str, Any]], block: int) -> None:
     An adaptive method sees each turn of the others as a pause between two of its steps (as it sees an
     evaluation); its policy leaves such pauses out of its step times."""
     hvd, runs, setup_start = _start(cfgs)
+    for tr in runs:
+        tr.attach_optimizer()
     hvd.allreduce(torch.zeros(1), name="bench.ready")
     for tr in runs:
         tr.meta.update(setup_s=time.time() - setup_start, side_by_side={"block": block, "with": len(runs)})
