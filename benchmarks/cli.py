@@ -399,6 +399,11 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
             for h in (cluster.hosts if cluster else ["localhost"]):
                 (sched / h).mkdir(mode=0o700, exist_ok=True)
 
+        def run_job(cmd: list[str], job_env: dict[str, str], log: Path) -> int:
+            if cluster is not None:
+                return _run_netem(cluster, a.np, cmd, job_env, log, a.timeout, a.verbose)
+            return _run_horovodrun(a.hosts * a.np, cmd, job_env, log, a.timeout, a.verbose)
+
         def one(name: str, cfg: Path) -> None:
             job_env = dict(env)
             cmd = [sys.executable, "-m", "benchmarks.trainer", str(cfg)]
@@ -409,27 +414,20 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
                                CROSSOVER_TELEMETRY_DIR=str(work / "telemetry"))
             else:
                 job_env["CROSSOVER_SCHED"] = "0"
-            log = cfg.parent / "job.log"
-            if cluster is not None:
-                results[name] = _run_netem(cluster, a.np, cmd, job_env, log, a.timeout, a.verbose)
-            else:
-                results[name] = _run_horovodrun(a.hosts * a.np, cmd, job_env, log, a.timeout, a.verbose)
+            results[name] = run_job(cmd, job_env, cfg.parent / "job.log")
 
-        if a.side_by_side:  # one job trains every method
-            paths = [str(c) for c in configs.values()]
-            cmd = [sys.executable, "-m", "benchmarks.trainer", "--block", str(a.block), *paths]
-            env_one = {**env, "CROSSOVER_SCHED": "0"}
-            log = work.parent / "job.log"
-            with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
-                rc = (_run_netem(cluster, a.np, cmd, env_one, log, a.timeout, a.verbose) if cluster is not None
-                      else _run_horovodrun(a.hosts * a.np, cmd, env_one, log, a.timeout, a.verbose))
-            return {n: rc for n in configs}
-        threads = [threading.Thread(target=one, args=(n, c)) for n, c in configs.items()]
         with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            if a.side_by_side:  # one job trains every method
+                cmd = [sys.executable, "-m", "benchmarks.trainer", "--block", str(a.block),
+                       *(str(c) for c in configs.values())]
+                results.update(dict.fromkeys(configs, run_job(cmd, {**env, "CROSSOVER_SCHED": "0"},
+                                                              work.parent / "job.log")))
+            else:
+                threads = [threading.Thread(target=one, args=(n, c)) for n, c in configs.items()]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
     finally:
         if cluster is not None:
             cluster.close()

@@ -186,9 +186,10 @@ class _Training:
     def _evaluate(self) -> None:
         t = time.perf_counter()
         res = evaluate(self.model, self.data, self.text, self.eval_batch, self.hvd)
-        self.evals.append({"epoch": self.epoch, "step": self.step, "train_s": self.train_s,
-                           "wall_s": self.wall_s + time.perf_counter() - t, "eval_s": time.perf_counter() - t, **res})
-        self.wall_s += time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.wall_s += took
+        self.evals.append({"epoch": self.epoch, "step": self.step, "train_s": self.train_s, "wall_s": self.wall_s,
+                           "eval_s": took, **res})
         if self.me:
             metric = f"perplexity {res['perplexity']:.2f}" if self.text else f"accuracy {res['accuracy']:.4f}"
             log.info("%s epoch %d step %d: %s (train %.1f s)", self.cfg["compression"], self.epoch, self.step,
