@@ -3,7 +3,7 @@
 A run with ``AdaptiveCompression(log_csv=...)`` (every ``crossover-bench --compression gravac`` run writes
 ``policy.rank0.csv``) records, per step, the CF it sent, the step time and the squared norms the gains
 come from. :class:`~crossover.adaptive.gravac.GravacPolicy` is a pure function of those observations, fed
-one step late as the glue feeds them (``crossover/adaptive/driver.py``: the plan of step t is made after
+one step late as the glue feeds them (``crossover/driver/``: the plan of step t is made after
 observing steps up to t - 2). So feeding the recorded rows to the policy of today's code reproduces the
 recorded decisions exactly up to the first step where the code (or a setting) decides otherwise; after
 that step the real run would have measured something else, and nothing more can be said.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crossover.adaptive.driver import StepLog
 from crossover.adaptive.gravac import GravacPolicy
+from crossover.driver import StepLog
 
 _REPLAYABLE_GAINS = ("delivered", "norm")
 

@@ -7,11 +7,12 @@ process plays every rank of a synchronous data-parallel job:
 * the model, data, shards, batch, learning rate and momentum are the benchmark's
   (``benchmarks/models.py`` MLP, ``benchmarks/datasets.py`` digits, as ``benchmarks/trainer.py``
   builds them; the time-to-accuracy section of ``BENCHMARKS.md`` uses SGD lr 0.2, no momentum);
-* each rank computes its gradient on its own shard and keeps its own error-feedback residual; the
-  compression path mirrors ``horovod_ext/torch_compression.py`` step for step with the project's real
-  selectors (``make_selector("topk")``, ``select`` / ``subselect`` multi-level, ``apply_mask``), tensors
-  under ``--min-compress-numel`` go dense, and the update is the exact average of what the ranks send;
-* the policy sees what the glue feeds it: global (rank-summed) statistics, one step late;
+* each rank computes its gradient on its own shard and holds what the Horovod glue holds: the library's
+  codec (``crossover/compression/sparse_codec.py``: selection, multi-level probes, error feedback,
+  transport) and step driver (``crossover/driver/``: plans, one-step-late observation) with its own policy;
+  the ranks' collectives are ``SimulatedGroup``'s, tensors under ``--min-compress-numel`` go dense, and the
+  "allreduce" is the exact average of the payloads, as Horovod's Average op returns it;
+* so the policy sees exactly what the glue feeds it: reduced statistics (float32), one step late;
 * simulated step time = compute time (measured once per model width: median of real forward + backward
   + update steps, optionally scaled or fixed) + communication time modeled from the bytes of
   ``crossover/compression/cost_model.py`` at the link rate (ring allreduce of the dense tensors fused
@@ -34,7 +35,6 @@ tensor fusion timing) are not in the model; see ``docs/gravac.md`` for what rema
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,10 @@ import torch  # noqa: E402
 
 from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats  # noqa: E402
 from crossover.adaptive.static import StaticPolicy  # noqa: E402
-from crossover.compression import cost_model, kernels  # noqa: E402
-from crossover.compression.selectors import Selector, apply_mask, k_for, make_selector  # noqa: E402
+from crossover.compression import cost_model, kernels, transport  # noqa: E402
+from crossover.compression.collectives import SimulatedGroup  # noqa: E402
+from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
+from crossover.driver import SparseStepDriver  # noqa: E402
 
 __all__ = ["Method", "Workload", "parse_method", "parse_workload", "main"]
 
@@ -65,7 +67,6 @@ DEFAULT_METHODS = ("dense", "fp16", "topk:10", "topk:100", "topk:1000", "gravac"
 DEFAULT_WORKLOADS = ("mlp4@1gbit", "mlp1@100mbit", "mlp4@100mbit", "mlp4@10gbit", "mlp4@10gbit:x8")
 STATIC_KINDS = ("dense", "fp16", "topk")
 _RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-_STATS_FLOATS = 3  # scale, previous step time, ||g+e||^2: the glue's stats vector before the probes
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -227,79 +228,19 @@ def _new_model(task: _Task) -> torch.nn.Module:
     return model
 
 
-@dataclass
-class _Sums:
-    """Global statistics of one step (sums over tensors and ranks), as the glue reduces them."""
-
-    grad_sq: float = 0.0
-    grad_norm: float = 0.0
-    dense_sq: float = 0.0
-    dense_norm: float = 0.0
-    comp_sq: dict[float, float] = field(default_factory=dict)
-    comp_norm: dict[float, float] = field(default_factory=dict)
-    tensors: int = 0
-
-
-def _mix(seed: int, step: int, key: str) -> int:
-    h = 1469598103934665603
-    for ch in f"{seed}:{step}:{key}".encode():
-        h = ((h ^ ch) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h & 0x7FFFFFFFFFFFFFFF
-
-
 class _Rank:
-    """One rank's compressor state: its selector buffers and error-feedback residuals."""
+    """One simulated rank: the library's codec and step driver (with its own policy), as the glue holds them."""
 
-    def __init__(self) -> None:
-        self.selector: Selector = make_selector("topk")
-        self.residuals: dict[str, torch.Tensor] = {}
+    def __init__(self, rank: int, group: SimulatedGroup, policy: Any) -> None:
+        self.codec = SparseCodec("topk", error_feedback=True, seed=0,
+                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)))
+        self.driver = SparseStepDriver(policy, compressor="topk", seed=0)
+        self.comm = group.rank_view(rank)
 
-    def compress(self, key: str, grad: torch.Tensor, send_cf: float, probes: Sequence[float], step: int,
-                 world: int, sums: _Sums) -> tuple[str, torch.Tensor, torch.Tensor | None]:
-        """Mirror of the glue's ``_compress_float`` for one flat float32 tensor.
 
-        Returns ("dense", acc, None) or ("ag", idx, val): what this rank hands to Horovod.
-        """
-        numel = grad.numel()
-        residual = self.residuals.get(key)
-        if residual is None:
-            residual = self.residuals[key] = torch.zeros_like(grad)
-        levels = sorted({cf for cf in (*probes, send_cf) if cf > 1})
-        seed = _mix(0, step, key)
-        gsq = kernels.sumsq(grad)
-        sums.grad_sq += gsq
-        sums.grad_norm += math.sqrt(gsq)
-        sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
-        sq: dict[float, float] = {}
-        masks: dict[float, torch.Tensor] = {}
-        for cf in levels:
-            if cf == levels[0]:
-                sq[cf] = sel.sumsq_sel
-            else:
-                masks[cf] = self.selector.subselect(sel, numel, cf, seed ^ int(cf))
-                sq[cf] = kernels.sumsq(sel.val[masks[cf]].contiguous())
-        dsq = sel.sumsq_acc if sel is not None else gsq
-        sums.dense_sq += dsq
-        sums.dense_norm += math.sqrt(dsq)
-        for cf in probes:
-            v = sq.get(cf, dsq)
-            sums.comp_sq[cf] = sums.comp_sq.get(cf, 0.0) + v
-            sums.comp_norm[cf] = sums.comp_norm.get(cf, 0.0) + math.sqrt(v)
-        sums.tensors += 1
-        k = k_for(numel, send_cf) if send_cf > 1 else numel
-        transport = cost_model.choose_transport(numel, k, world, self.selector.shared_indices)
-        if send_cf > 1 and send_cf != levels[0]:
-            sel = apply_mask(sel, masks[send_cf], residual)
-        if transport == cost_model.DENSE:
-            if sel is not None:  # undo the selection: send acc whole, residual becomes zero
-                kernels.scatter_add(residual, sel.idx, sel.val)
-                acc = residual.clone()
-                residual.zero_()
-                return "dense", acc, None
-            return "dense", grad.clone(), None
-        if transport != cost_model.ALLGATHER:
-            raise RuntimeError(f"unexpected transport {transport} for top-k")
-        return "ag", sel.idx.clone(), sel.val.clone()
+def _ranks(world: int, policies: Sequence[Any]) -> list[_Rank]:
+    group = SimulatedGroup(world)
+    return [_Rank(r, group, policies[r]) for r in range(world)]
 
 
 @dataclass
@@ -332,13 +273,12 @@ class Simulator:
     """Trains one method on one task, step by step, recording costs; GraVAC runs need the workload."""
 
     def __init__(self, costs: CostBook, *, lr: float, momentum: float, min_compress_numel: int, eval_every: int,
-                 lag: int, jitter: float, latency_s: float, log_every: int) -> None:
+                 jitter: float, latency_s: float, log_every: int) -> None:
         self.costs = costs
         self.lr = lr
         self.momentum = momentum
         self.min_compress_numel = min_compress_numel
         self.eval_every = eval_every
-        self.lag = lag
         self.jitter = jitter
         self.latency_s = latency_s
         self.log_every = log_every
@@ -394,7 +334,8 @@ class Simulator:
         names = [n for n, _ in model.named_parameters()]
         opt = torch.optim.SGD(params, lr=1e-6, momentum=self.momentum)
         batches = [list(task.data.train_batches(0, r, task.world, task.batch, task.seed)) for r in range(task.world)]
-        ranks = {m.label: [_Rank() for _ in range(task.world)] for m, _ in plans}
+        ranks = {m.label: _ranks(task.world, [_FixedPlan(plan.send_cf, plan.probe_cfs)] * task.world)
+                 for m, plan in plans}
         compute: list[float] = []
         costs: dict[str, list[float]] = {}
         for i in range(rounds + 1):
@@ -408,7 +349,9 @@ class Simulator:
                 compute.append(time.perf_counter() - t0)
                 grads.append([p.grad.detach().reshape(-1).clone() for p in params])
             for m, plan in plans:
-                rec, _ = self._exchange(m, plan, grads, names, ranks[m.label], i, params, charge=False)
+                for rk in ranks[m.label]:
+                    rk.driver.begin_step(0.0)
+                rec = self._exchange(m, grads, names, ranks[m.label], params, charge=False)
                 key = ("cost:fp16" if m.kind == "fp16" else
                        f"cost:send={plan.send_cf:g}:probe={','.join(f'{c:g}' for c in plan.probe_cfs)}")
                 if i > 0:  # the first round allocates the selectors' buffers
@@ -432,26 +375,24 @@ class Simulator:
 
     # ------------------------------------------------------------------ one run
     def run(self, task: _Task, method: Method, total_steps: int, wl: Workload | None, label: str,
-            policy: Any = None) -> RunResult:
+            policies: Sequence[Any] | None = None) -> RunResult:
         """Train ``method`` for ``total_steps``; a GraVAC run needs the workload (its decisions depend on
-        time). ``policy`` replaces the method's own (anything with plan / observe / summary)."""
+        time). ``policies`` (one per rank, anything with plan / observe / summary) replace the method's own."""
         world = task.world
         model = _new_model(task)
         params = [p for p in model.parameters()]
         names = [n for n, _ in model.named_parameters()]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
-        ranks = [_Rank() for _ in range(world)]
-        if policy is None and method.kind == "gravac":
-            policy = GravacPolicy(**dict(method.params))
-        elif policy is None:
-            policy = StaticPolicy(cf=method.cf if method.kind == "topk" else 1.0)
+        if policies is None and method.kind == "gravac":
+            policies = [GravacPolicy(**dict(method.params)) for _ in range(world)]
+        elif policies is None:
+            policies = [StaticPolicy(cf=method.cf if method.kind == "topk" else 1.0) for _ in range(world)]
+        ranks = _ranks(world, policies)
         compute_s = self.compute_s(task)
         rng = random.Random(task.seed * 7919 + 17)
-        pending: list[StepStats] = []
         records: list[_StepRecord] = []
         evals: list[tuple[int, float]] = [(0, self._accuracy(model, task))]
         dense_bytes = sum(p.numel() * 4 for p in params)
-        stat_fields = {f.name for f in dataclasses.fields(StepStats)}
         step = 0
         sim_t = 0.0
         started = time.perf_counter()
@@ -461,9 +402,9 @@ class Simulator:
             for batches in zip(*iters):
                 if step >= total_steps:
                     break
-                plan: Plan = policy.plan()
-                if method.kind == "fp16":
-                    plan = Plan(send_cf=1.0, probe_cfs=())
+                for rk in ranks:  # the first gradient of a step: the driver observes, then plans
+                    rk.driver.begin_step(sim_t)
+                plan = ranks[0].driver.current
                 grads: list[list[torch.Tensor]] = []
                 losses = []
                 for x, y in batches:
@@ -472,23 +413,13 @@ class Simulator:
                     loss.backward()
                     losses.append(loss.item())
                     grads.append([p.grad.detach().reshape(-1).clone() for p in params])
-                rec, sums = self._exchange(method, plan, grads, names, ranks, step, params)
+                rec = self._exchange(method, grads, names, ranks, params)
                 rec.loss = statistics.fmean(losses)
                 opt.step()
                 step += 1
                 records.append(rec)
                 if wl is not None:
-                    t = self.step_time(rec, wl, compute_s, world, rng)
-                    sim_t += t
-                    kw: dict[str, Any] = {}
-                    extra = {"grad_sq_norm": sums.grad_sq, "grad_norm_sum": sums.grad_norm,
-                             "dense_norm_sum": sums.dense_norm, "compressed_norm_sums": sums.comp_norm}
-                    kw = {k: v for k, v in extra.items() if k in stat_fields}
-                    pending.append(StepStats(sent_cf=plan.send_cf, dense_sq_norm=sums.dense_sq,
-                                             compressed_sq_norms=sums.comp_sq, step_time_s=t,
-                                             samples=float(world * task.batch), **kw))
-                    while len(pending) > self.lag:
-                        policy.observe(pending.pop(0))
+                    sim_t += self.step_time(rec, wl, compute_s, world, rng)
                 if step % self.eval_every == 0 or step == total_steps:
                     evals.append((step, self._accuracy(model, task)))
                 if self.log_every and step % self.log_every == 0:
@@ -496,26 +427,28 @@ class Simulator:
                     print(f"  {label}: step {step}/{total_steps}, cf {plan.send_cf:g}, loss {rec.loss:.3f}, "
                           f"acc {acc:.3f}, {time.perf_counter() - started:.0f}s", flush=True)
             epoch += 1
-        summary = policy.summary() if method.kind == "gravac" else None
+        for rk in ranks:  # the last step's duration: the driver observes the step before it
+            rk.driver.begin_step(sim_t)
+        summary = policies[0].summary() if method.kind == "gravac" else None
         return RunResult(label, wl.name if wl else None, task.seed, task.width, records, evals, dense_bytes, summary)
 
     def _accuracy(self, model: torch.nn.Module, task: _Task) -> float:
         with torch.no_grad():
             return float((model(task.x_eval).argmax(1) == task.y_eval).float().mean())
 
-    def _exchange(self, method: Method, plan: Plan, grads: list[list[torch.Tensor]], names: list[str],
-                  ranks: list[_Rank], step: int, params: list[torch.nn.Parameter],
-                  charge: bool = True) -> tuple[_StepRecord, _Sums]:
-        """Every rank compresses, the aggregate (exact average of what was sent) becomes each .grad.
+    def _exchange(self, method: Method, grads: list[list[torch.Tensor]], names: list[str], ranks: list[_Rank],
+                  params: list[torch.nn.Parameter], charge: bool = True) -> _StepRecord:
+        """Every rank compresses with its codec for the step its driver began; the average of the payloads is
+        each rank's "allreduce", its decode the gradient (identical on every rank), set as each .grad.
 
         The record's cost is the plan's charged cost (``charge``), or this call's measurement."""
         world = len(ranks)
-        sums = _Sums()
+        plan = ranks[0].driver.current
         dense_elems = 0
         gather: list[int] = []
         sent = 0.0
-        probes = tuple(plan.probe_cfs)
-        passthrough = plan.send_cf <= 1 and not probes
+        probes = tuple(plan.probes)
+        passthrough = method.kind == "fp16" or ranks[0].driver.skips_all()
         measured = 0.0
         for i, (name, p) in enumerate(zip(names, params)):
             numel = p.numel()
@@ -540,40 +473,36 @@ class Simulator:
                 sent += numel * 4
                 _average_into(p.grad, [grads[r][i] for r in range(world)])
                 continue
-            outs = []
-            for r in range(world):
+            encoded = []
+            for r, rk in enumerate(ranks):
                 t0 = time.perf_counter()
-                outs.append(ranks[r].compress(name, grads[r][i], plan.send_cf, probes, step, world, sums))
+                encoded.append(rk.codec.encode(name, grads[r][i], rk.driver.current, rk.driver.last_step_time, rk.comm))
                 measured += (time.perf_counter() - t0) / world
-            stats_n = _STATS_FLOATS + len(probes)
-            if outs[0][0] == "dense":
-                dense_elems += numel + stats_n
-                sent += (numel + stats_n) * 4
-                _average_into(p.grad, [o[1] for o in outs])
-            else:
+            reduced = torch.stack([payload for payload, _, _ in encoded]).mean(0)
+            ctx0 = encoded[0][1]
+            if ctx0.kind == transport.GATHER:
+                gather.append(max(ctx.idx.numel() for _, ctx, _ in encoded))
+            dense_elems += reduced.numel()
+            sent += statistics.fmean(nbytes for _, _, nbytes in encoded)
+            for r, rk in reversed(list(enumerate(ranks))):  # rank 0 last: its decode is timed, its output kept
                 t0 = time.perf_counter()
-                out = torch.empty(numel, dtype=torch.float32)
-                idx = torch.cat([o[1] for o in outs]).contiguous()
-                val = torch.cat([o[2] for o in outs]).contiguous()
-                kernels.zero_scatter(out, idx, val, 1.0 / world)
-                measured += time.perf_counter() - t0  # each rank decompresses the whole gather
-                gather.append(max(o[1].numel() for o in outs))
-                dense_elems += stats_n
-                sent += statistics.fmean(o[1].numel() for o in outs) * 8 + stats_n * 4
-                p.grad.copy_(out.view_as(p))
+                out, stats = rk.codec.decode(reduced if r == 0 else reduced.clone(), encoded[r][1], rk.comm)
+                if r == 0:
+                    measured += time.perf_counter() - t0  # each rank decompresses the whole gather
+                rk.driver.add_reduced(stats.tolist(), world)
+            p.grad.copy_(out.view_as(p))
         if method.kind == "fp16":
             key = "cost:fp16"
             width = 2
         else:
-            key = f"cost:send={plan.send_cf:g}:probe={','.join(f'{c:g}' for c in probes)}"
+            key = f"cost:send={plan.sent_cf:g}:probe={','.join(f'{c:g}' for c in probes)}"
             width = 4
         key = f"{key}:params={sum(p.numel() for p in params)}"
         if passthrough and method.kind != "fp16":
             cost = 0.0
         else:
             cost = self.costs.charge(key, measured) if charge else measured
-        rec = _StepRecord(plan.send_cf, probes, cost, dense_elems, width, gather, sent, 0.0)
-        return rec, sums
+        return _StepRecord(plan.sent_cf, probes, cost, dense_elems, width, gather, sent, 0.0)
 
 
 def _average_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
@@ -773,7 +702,7 @@ def markdown(analysis: dict[str, Any], info: dict[str, Any], check: str | None) 
              f"{info['world']} simulated ranks, digits MLP, batch {info['batch']} per rank, SGD lr {info['lr']:g} "
              f"momentum {info['momentum']:g}, {_steps_text(info['steps'])}, "
              f"evaluation every {info['eval_every']} steps, "
-             f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, observation lag {info['lag']}, "
+             f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, "
              f"tensors under {info['min_compress_numel']} elements dense, {info['latency_us']:g} us per collective.",
              "",
              f"Accuracy = mean of the last {info['smooth']} evaluations; target = dense's final accuracy - 1 point "
@@ -864,9 +793,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smooth", type=int, default=None,
                    help="accuracy used for targets and times: mean of the last K evaluations (default 5: 20 "
                         "steps, about one epoch; with --report-only: the run's own, unless given)")
-    p.add_argument("--lag", type=int, default=1,
-                   help="observations fed this many steps late (default 1: the torch glue plans step t+1 "
-                        "after observing step t-1)")
     p.add_argument("--jitter", type=float, default=0.05,
                    help="log-normal sigma of a random factor on every simulated step time (default 0.05)")
     p.add_argument("--latency-us", type=float, default=50.0, help="latency per collective in us (default 50)")
@@ -917,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = {**json.loads(cost_file.read_text()), **saved}
     costs = CostBook(saved=saved)
     sim = Simulator(costs, lr=a.lr, momentum=a.momentum, min_compress_numel=a.min_compress_numel,
-                    eval_every=a.eval_every, lag=a.lag, jitter=a.jitter, latency_s=a.latency_us * 1e-6,
+                    eval_every=a.eval_every, jitter=a.jitter, latency_s=a.latency_us * 1e-6,
                     log_every=a.log_every)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -986,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"command": " ".join(["python benchmarks/sim_gravac.py", *(argv if argv is not None else sys.argv[1:])]),
             "world": a.ranks, "batch": a.batch_size, "smooth": a.smooth, "lr": a.lr, "momentum": a.momentum,
             "eval_every": a.eval_every, "steps": a.steps or f"{a.epochs} epochs ({total} steps)", "seeds": a.seeds,
-            "jitter": a.jitter, "lag": a.lag,
+            "jitter": a.jitter,
             "compute_ms": compute_ms, "latency_us": a.latency_us, "min_compress_numel": a.min_compress_numel,
             "methods": {m.label: {"kind": m.kind, "cf": m.cf, "params": dict(m.params)} for m in methods},
             "torch": torch.__version__, "kernels": kernels.kernels_available()}
@@ -1007,10 +933,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _FixedPlan:
-    """A stand-in policy for ``--gain-study``: always the same plan; keeps every observation."""
+    """A stand-in policy for ``--gain-study`` and calibration: always the same plan; keeps every observation."""
+
+    needs_grad_norms = True  # the gain study tabulates every gain definition
 
     def __init__(self, send_cf: float, probes: tuple[float, ...]) -> None:
-        self._plan = Plan(send_cf=send_cf, probe_cfs=probes)
+        self._plan = Plan(send_cf=send_cf, probe_cfs=tuple(probes), measure=True)
         self.observed: list[StepStats] = []
 
     def plan(self) -> Plan:
@@ -1038,10 +966,10 @@ def gain_study(a: argparse.Namespace, sim: Simulator, workload: Workload, out: P
              "| sent CF | steps | gain of | norm | authors | delivered (unclipped) | sum||g+e||^2 / sum||g||^2 |",
              "|---|---|---|---:|---:|---:|---:|"]
     for send in (1.0, *probes):
-        fixed = _FixedPlan(send, probes)
+        fixed = [_FixedPlan(send, probes) for _ in range(a.ranks)]
         res = sim.run(task, Method(f"send {send:g}", "gravac"), total, workload, f"gain study, send {send:g}",
-                      policy=fixed)
-        obs = fixed.observed
+                      policies=fixed)
+        obs = fixed[0].observed
         rows = {}
         for lo, hi in GAIN_STUDY_PHASES:
             seg = obs[lo:hi]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from crossover.adaptive.driver import DQSGD_PARAMS
+from crossover.driver import DQSGD_PARAMS
 
 __all__ = ["AdaptiveFacade", "POLICIES"]
 

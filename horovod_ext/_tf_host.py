@@ -4,7 +4,7 @@ Horovod calls `compress(tensor)` and `decompress(tensor, ctx)` while *tracing* a
 (once, not per step), around an allreduce inside a `tf.cond`. So nothing per step happens in
 Python at trace time: per-step decisions come from a `tf.py_function` ("begin step") placed once
 per traced step, outside Horovod's conds, whose output (the plan) every compress of that step
-reads. It feeds the step driver (crossover/adaptive/driver.py) and returns its plan. State lives in
+reads. It feeds the step driver (crossover/driver/) and returns its plan. State lives in
 `tf.Variable`s: per-tensor error-feedback residuals, and an accumulator of the step's reduced
 statistics that decompress adds to and the next "begin step" reads and clears.
 
@@ -23,7 +23,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from crossover.adaptive.driver import check_min_numel
+from crossover.driver import check_min_numel
 from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
 
 __all__ = ["INSIDE_FUNCTION_ERROR", "TFHookBase", "check_built_outside_function", "check_op", "safe_name",
@@ -93,7 +93,7 @@ class TFHookBase:
         self._eager_plan: tf.Tensor | None = None
         self._eager_phase = "idle"
         self._eager_ordinal = 0
-        self.driver: Any = None  # the subclass's step driver (crossover/adaptive/driver.py)
+        self.driver: Any = None  # the subclass's step driver (crossover/driver/)
 
     # Horovod hashes the compression (its cached allreduce function is keyed by it): keep identity hashing.
     __hash__ = object.__hash__

@@ -7,7 +7,7 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * tensors that are not float32, sparse, or smaller than `min_compress_numel` pass through untouched;
 * collectives a codec issues itself (allgather) go through `HorovodCollectives`, bound to the
   calling optimizer's process set.
-Subclasses hold a step driver (crossover/adaptive/driver.py) and a codec (crossover/compression/).
+Subclasses hold a step driver (crossover/driver/) and a codec (crossover/compression/).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from crossover.adaptive.driver import GradientKeys, check_min_numel
+from crossover.driver import GradientKeys, check_min_numel
 from horovod_ext._internals import torch_hook_caller, torch_process_set
 
 __all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]

@@ -5,7 +5,7 @@ Use:  tape = hvd.DistributedGradientTape(tape, compression=AdaptiveCompression()
 
 How it fits Horovod's TensorFlow hook (docs/tensorflow.md, docs/architecture.md): one "begin step"
 `tf.py_function` per traced step (horovod_ext/_tf_host.py) feeds the framework-free step driver
-(crossover/adaptive/driver.py, the same as horovod.torch's) with the previous step's reduced statistics
+(crossover/driver/, the same as horovod.torch's) with the previous step's reduced statistics
 and returns this step's plan `[send_cf, floor_cf, candidate_cf, step, previous step time]`, which every
 compress of the step reads. Everything else here is tensor movement, in graph:
 * compressed payloads carry the driver's `SparseStatsLayout` for two probes (floor, candidate); the
@@ -29,8 +29,9 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from crossover.adaptive.driver import CfPolicy, SparseStatsLayout, SparseStepDriver, gravac_or_dense, shared_seed
 from crossover.adaptive.static import StaticPolicy
+from crossover.compression.wire import SparseStatsLayout, shared_seed
+from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name, tracing_function
 from horovod_ext.tf_quantization import DqsgdCompression

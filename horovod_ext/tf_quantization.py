@@ -4,7 +4,7 @@ Use:  tape = hvd.DistributedGradientTape(tape, compression=AdaptiveCompression(
           policy="dqsgd", total_steps=T, lr=0.1))
 
 Same plumbing as tf_compression (one "begin step" py_function per traced step, horovod_ext/_tf_host.py,
-feeds the framework-free `QuantStepDriver` of crossover/adaptive/driver.py and returns the step's bits).
+feeds the framework-free `QuantStepDriver` of crossover/driver/ and returns the step's bits).
 Per gradient, in graph:
 error feedback (optional), max-norm scale, stochastic rounding to `2**(bits-1) - 1` levels with a
 stateless seed from (seed, tensor, step, rank), then either
@@ -28,8 +28,9 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from crossover.adaptive.driver import QuantStepDriver, dqsgd_settings, lr_at, shared_seed
 from crossover.compression import cost_model
+from crossover.compression.wire import shared_seed
+from crossover.driver import QuantStepDriver, dqsgd_settings, lr_at
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name
 
 __all__ = ["DqsgdCompression", "QSGDCompression", "pack_codes", "unpack_codes"]

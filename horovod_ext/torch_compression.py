@@ -7,7 +7,7 @@ How it fits Horovod's hook (see docs/compression.md and docs/architecture.md):
   what it returns with the optimizer's op and scale factors; `decompress` runs in `synchronize()`.
   Steps, keys and pass-through: horovod_ext/_torch_host.py.
 * Everything per step that is not tensor movement (policy, plans, one-step-late observation, byte
-  counters, CSV, state) is the framework-free step driver, crossover/adaptive/driver.py; selection,
+  counters, CSV, state) is the framework-free step driver, crossover/driver/; selection,
   error feedback and transports are the codec, crossover/compression/sparse_codec.py. This module
   only connects them.
 * Every rank decides the same: the plan for a step depends only on statistics summed over ranks
@@ -24,9 +24,9 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from crossover.adaptive.driver import CfPolicy, SparseStepDriver, gravac_or_dense
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.sparse_codec import SparseCodec
+from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._torch_host import TorchHookBase
 from horovod_ext.torch_quantization import DqsgdCompression

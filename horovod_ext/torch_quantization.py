@@ -6,7 +6,7 @@ Use:  hvd.DistributedOptimizer(opt, named_parameters=..., compression=AdaptiveCo
 Each compressed gradient is stochastically quantized to `bits` bits per element (crossover/compression/
 quant_codec.py: packed codes by allgather, fp16 values by allreduce, or dense, by bytes). A small
 statistics vector `[1, ||x||^2]` rides the stock allreduce; its reduced value gives every rank the same
-global gradient norm, from which the step driver (crossover/adaptive/driver.py, `QuantStepDriver`)
+global gradient norm, from which the step driver (crossover/driver/, `QuantStepDriver`)
 picks the next step's bits (docs/dqsgd.md). Steps, keys and pass-through: horovod_ext/_torch_host.py.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, Union
 
 import torch
 
-from crossover.adaptive.driver import QuantStepDriver, dqsgd_settings, lr_at
 from crossover.compression.quant_codec import TRANSPORTS, QuantCodec, choose_quant_transport
+from crossover.driver import QuantStepDriver, dqsgd_settings, lr_at
 from horovod_ext._torch_host import TorchHookBase
 
 __all__ = ["DqsgdCompression", "QSGDCompression", "choose_quant_transport", "TRANSPORTS"]

@@ -15,12 +15,12 @@ import re
 import pytest
 import torch
 
-from crossover.adaptive.driver import StepRecord
 from crossover.compression import kernels as K
 from crossover.compression import quantize as Q
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
+from crossover.driver import StepRecord
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -472,11 +472,11 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
     """SparseCodec(fixed_gather=True), as the hook uses it on Gloo: every rank's allgather carries exactly
     k pairs (overshoot back to the residual, shortfall padded), and error feedback still conserves the
     gradient: decoded average + mean residual == mean gradient."""
-    from crossover.adaptive.driver import StepRecord
     from crossover.compression import transport
     from crossover.compression.collectives import SimulatedGroup
     from crossover.compression.selectors import k_for
     from crossover.compression.sparse_codec import SparseCodec
+    from crossover.driver import StepRecord
 
     numel, cf, world = 50_000, 100.0, 2
     grp = SimulatedGroup(world)

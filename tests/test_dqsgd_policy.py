@@ -15,10 +15,10 @@ from crossover.adaptive.dqsgd import (
     DqsgdPolicy,
     DqsgdStats,
     error_budget_for_bits,
-    levels_for_bits,
     quantization_variance,
     target_levels,
 )
+from crossover.compression.wire import levels_for_bits
 
 D = 1_000_000
 

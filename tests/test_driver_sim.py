@@ -13,20 +13,13 @@ import math
 import pytest
 import torch
 
-from crossover.adaptive.driver import (
-    GradientKeys,
-    QuantStepDriver,
-    SparseStatsLayout,
-    SparseStepDriver,
-    dqsgd_settings,
-    normalize_reduced,
-    shared_seed,
-)
 from crossover.adaptive.gravac import GravacPolicy
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
+from crossover.compression.wire import SparseStatsLayout, normalize_reduced, shared_seed
+from crossover.driver import GradientKeys, QuantStepDriver, SparseStepDriver, dqsgd_settings
 
 
 class SimRank:

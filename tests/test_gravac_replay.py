@@ -13,9 +13,9 @@ import gzip
 import json
 
 import pytest
+from gravac_recordings import DATA, _plain, plan_json, stats_from_json
 
 from crossover.adaptive.gravac import GravacPolicy, StepStats
-from gravac_recordings import DATA, _plain, plan_json, stats_from_json
 
 
 def _recordings() -> list[dict]:

@@ -457,9 +457,10 @@ def test_load_state_dict_validates_first_and_changes_nothing_on_error():
 def test_statistics_of_huge_gradients_stay_finite_in_float32():
     """Item 2: ||g||^2 of a gradient of 1e36 per element is finite in float64 and must stay finite
     (clamped, marked saturated) in the float32 vector summed over ranks; inf/NaN stay non-finite."""
-    from crossover.adaptive.driver import STAT_MAX, SparseStatsLayout, SparseStepDriver
     from crossover.adaptive.static import StaticPolicy
     from crossover.compression import kernels
+    from crossover.compression.wire import STAT_MAX, SparseStatsLayout
+    from crossover.driver import SparseStepDriver
 
     g = torch.full((1000,), 1e36)
     sq = kernels.sumsq(g)
@@ -500,10 +501,10 @@ def test_quant_codec_survives_a_nonfinite_gradient(transport):
 def test_sparse_codec_restores_residuals_of_a_nonfinite_step():
     """Item 1, codec level: after a step with a NaN on rank 1, rank 0's residual is what it was before
     the step (up to rounding), rank 1's is reset, both decode NaN and both drivers count the step."""
-    from crossover.adaptive.driver import SparseStepDriver
     from crossover.adaptive.static import StaticPolicy
     from crossover.compression.collectives import SimulatedGroup
     from crossover.compression.sparse_codec import SparseCodec
+    from crossover.driver import SparseStepDriver
 
     grp = SimulatedGroup(2)
     codecs = [SparseCodec("topk") for _ in range(2)]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import replay_policy
-from crossover.adaptive.driver import SparseStepDriver
 from crossover.adaptive.gravac import GravacPolicy
+from crossover.driver import SparseStepDriver
 
 
 def _step_time(cf: float, t: int) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hvd_harness import run_script
 
-from crossover.adaptive.driver import SparseStatsLayout
+from crossover.compression.wire import SparseStatsLayout
 
 WORKER = Path(__file__).with_name("hvd_tf_worker.py")
 N = 50_000  # elements of the test variable (above min_compress_numel)

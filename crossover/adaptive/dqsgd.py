@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from crossover.adaptive._state import check_saved_state
+from crossover.compression.wire import MAX_BITS, MIN_BITS, levels_for_bits
 
 __all__ = [
     "VARIANCE_BOUNDS",
@@ -84,7 +85,6 @@ __all__ = [
     "DqsgdPolicy",
     "DqsgdStats",
     "error_budget_for_bits",
-    "levels_for_bits",
     "quantization_variance",
     "target_levels",
 ]
@@ -92,17 +92,8 @@ __all__ = [
 #: Names accepted for ``variance_bound``: which bound q(s) on the quantizer variance the policy uses.
 VARIANCE_BOUNDS = ("min", "d/s^2", "sqrt(d)/s")
 
-#: Allowed range of bits: one sign bit + at least one magnitude bit; codes fit in one uint8.
-MIN_BITS = 2
-MAX_BITS = 8
-
 _STATE_VERSION = 1
 _TOL = 1e-9  # slack before rounding up, so a target that is exactly a level count is not pushed up
-
-
-def levels_for_bits(bits: int) -> int:
-    """Magnitude levels s of a b-bit code with one sign bit: 2**(b-1) - 1 (2 -> 1, ternary; 8 -> 127)."""
-    return (1 << (bits - 1)) - 1
 
 
 def quantization_variance(s: float, numel: int, variance_bound: str = "min") -> float:

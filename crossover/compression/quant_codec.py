@@ -17,12 +17,10 @@ from typing import Any
 
 import torch
 
-from crossover.adaptive.dqsgd import levels_for_bits
-from crossover.adaptive.driver import QUANT_STATS_LEN, clamp_stat, shared_seed
-
 from . import cost_model, kernels, quantize
 from .collectives import Collectives
 from .memory import ErrorFeedback
+from .wire import QUANT_STATS_LEN, clamp_stat, levels_for_bits, shared_seed
 
 __all__ = ["QuantCodec", "QuantCtx", "choose_quant_transport", "TRANSPORTS"]
 

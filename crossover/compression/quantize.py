@@ -78,6 +78,7 @@ import torch
 
 from crossover.compression import _native
 from crossover.compression import kernels as _K
+from crossover.compression.wire import MAX_BITS, MIN_BITS, levels_for_bits
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ __all__ = [
 SOURCE = Path(__file__).with_name("_quantize.c")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off")
 
-MIN_BITS = 2  #: one sign bit + at least one magnitude bit
-MAX_BITS = 8  #: codes fit one uint8
 MAX_LEVELS = 2**15 - 1  #: largest s: the float32 rounding bias (half an ulp of s + 1) stays <= 2**-9 level
 
 _MASK64 = (1 << 64) - 1
@@ -196,12 +195,6 @@ def quantize_kernels_available() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Parameters
 # ----------------------------------------------------------------------------------------------
-
-def levels_for_bits(bits: int) -> int:
-    """Magnitude levels s that b-bit codes hold: 2**(b-1) - 1 (one sign bit). 2 -> 1 (ternary), 8 -> 127."""
-    _check_bits(bits)
-    return (1 << (bits - 1)) - 1
-
 
 def bits_for_levels(s: int) -> int:
     """Bits per element for s levels: ceil(log2(s + 1)) + 1 (the sign bit); 1 -> 2, 127 -> 8."""

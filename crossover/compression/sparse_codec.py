@@ -2,7 +2,7 @@
 every host (horovod.torch's compression objects, the PyTorch DDP hook).
 
 `SparseCodec.encode(key, tensor, rec, step_time, comm)` compresses one gradient for the step
-described by `rec` (a `crossover.adaptive.driver.StepRecord`: the CF to send and the CFs to probe)
+described by `rec` (a `StepPlan`, such as the step driver's record: the CF to send and the CFs to probe)
 and returns the payload the host reduces; `decode` turns the reduced payload back into the averaged
 gradient and the reduced statistics vector, which the host hands to the step driver.
 
@@ -14,17 +14,25 @@ random-k), an error-feedback memory (`memory.py`), transports (`transport.py`) b
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
-
-from crossover.adaptive.driver import SparseStatsLayout, StepRecord, shared_seed
 
 from . import cost_model, kernels, transport
 from .collectives import Collectives
 from .memory import ErrorFeedback
 from .selectors import Selector, apply_mask, k_for, make_selector
+from .wire import SparseStatsLayout, shared_seed
 
-__all__ = ["SparseCodec"]
+__all__ = ["SparseCodec", "StepPlan"]
+
+
+class StepPlan(Protocol):
+    """What the codec reads of the step in flight (the step driver's ``StepRecord`` is one)."""
+
+    step: int  # steps begun, identical on every rank: seeds the shared random choices
+    sent_cf: float  # the CF to send (1 = dense)
+    probes: tuple[float, ...]  # the CFs whose norms to measure
 
 
 class SparseCodec:
@@ -45,7 +53,7 @@ class SparseCodec:
         self._packed: dict[str, torch.Tensor] = {}
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
 
-    def encode(self, key: str, tensor: torch.Tensor, rec: StepRecord, step_time: float,
+    def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float,
                comm: Collectives) -> tuple[torch.Tensor, transport.SparseCtx, int]:
         """(payload for the host's reduction, context for `decode`, bytes this rank sends)."""
         numel = tensor.numel()

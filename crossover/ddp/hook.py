@@ -11,7 +11,7 @@ bucket, which DDP copies into the gradients before `optimizer.step()`. Unlike Ho
 hook, the bucket says where a step begins (`bucket.index() == 0`) and which parameters it holds.
 
 The same pieces as the Horovod glue (horovod_ext/torch_compression.py), none of its code: the
-framework-free step driver (crossover/adaptive/driver.py: plans, one-step-late observation, byte
+framework-free step driver (crossover/driver/: plans, one-step-late observation, byte
 counters, state) and the codecs (crossover/compression/: selection, error feedback, quantization,
 transport chosen by the cost model). This module only moves tensors:
 
@@ -38,7 +38,11 @@ import torch
 import torch.distributed as dist
 
 from crossover.adaptive.dqsgd import DqsgdPolicy
-from crossover.adaptive.driver import (
+from crossover.adaptive.static import StaticPolicy
+from crossover.compression.quant_codec import QuantCodec
+from crossover.compression.selectors import make_selector
+from crossover.compression.sparse_codec import SparseCodec
+from crossover.driver import (
     CfPolicy,
     QuantStepDriver,
     SparseStepDriver,
@@ -47,10 +51,6 @@ from crossover.adaptive.driver import (
     gravac_or_dense,
     lr_at,
 )
-from crossover.adaptive.static import StaticPolicy
-from crossover.compression.quant_codec import QuantCodec
-from crossover.compression.selectors import make_selector
-from crossover.compression.sparse_codec import SparseCodec
 
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives

@@ -1,0 +1,22 @@
+"""The step driver: what an adaptive compression does per step that is not moving tensors.
+
+Above both the policies (``crossover/adaptive/``) and the codecs (``crossover/compression/``), below the
+framework glue (``horovod_ext/``, ``crossover/ddp/``): plans, one-step-late observation, byte counters, the CSV
+log, saved state. ``sparse.py`` drives compression-factor policies, ``quant.py`` bit-width ones.
+"""
+
+from crossover.driver.quant import QuantStepDriver
+from crossover.driver.records import StepRecord
+from crossover.driver.settings import (
+    DQSGD_PARAMS,
+    GradientKeys,
+    check_min_numel,
+    dqsgd_settings,
+    gravac_or_dense,
+    lr_at,
+)
+from crossover.driver.sparse import CfPolicy, SparseStepDriver
+from crossover.driver.steplog import StepLog
+
+__all__ = ["DQSGD_PARAMS", "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
+           "check_min_numel", "dqsgd_settings", "gravac_or_dense", "lr_at"]

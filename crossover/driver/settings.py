@@ -1,0 +1,88 @@
+"""Settings of the compression objects, checked at construction, and the keys of a step's gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from crossover.adaptive.dqsgd import DqsgdPolicy
+from crossover.driver.sparse import CfPolicy
+
+__all__ = ["DQSGD_PARAMS", "GradientKeys", "check_min_numel", "dqsgd_settings", "gravac_or_dense", "lr_at"]
+
+
+class GradientKeys:
+    """Keys for the gradients of one step: the host's name, else the gradient's position in the step.
+
+    A name seen twice in one step means a new step began (the host did not say so).
+    """
+
+    def __init__(self) -> None:
+        self._ordinal = 0
+        self._seen: set[str] = set()
+
+    def begin(self) -> None:
+        """A new step starts: positions restart at 0."""
+        self._ordinal = 0
+        self._seen.clear()
+
+    def key(self, name: str | None) -> tuple[str, bool]:
+        """The key for the next gradient, and whether it was already seen this step (a new step began)."""
+        key = name if name is not None else f"#{self._ordinal}"
+        self._ordinal += 1
+        repeated = key in self._seen
+        self._seen.add(key)
+        return key, repeated
+
+
+def check_min_numel(min_compress_numel: object) -> int:
+    """`min_compress_numel` validated: an int >= 1."""
+    if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 1:
+        raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
+    return min_compress_numel
+
+
+def gravac_or_dense(enabled: bool, **params: Any) -> CfPolicy:
+    """AdaptiveCompression's policy: GraVAC with `params`, or CF 1 (dense) when not `enabled`."""
+    import inspect
+
+    from crossover.adaptive.gravac import GravacPolicy
+    from crossover.adaptive.static import StaticPolicy
+
+    known = [p for p in inspect.signature(GravacPolicy.__init__).parameters if p != "self"]
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ValueError(f"unknown GraVAC setting(s) {', '.join(unknown)}; the settings are {', '.join(known)}")
+    return GravacPolicy(**params) if enabled else StaticPolicy(cf=1.0)
+
+
+DQSGD_PARAMS = ("total_steps, lr, error_budget, target_bits, b_min, b_max, decay, error_feedback, "
+                "min_compress_numel, seed, transport")
+
+
+def dqsgd_settings(*, total_steps: object, lr: object, error_budget: float | None, target_bits: object,
+                   b_min: int, b_max: int, decay: float) -> dict[str, Any]:
+    """DQ-SGD's settings, validated at construction (for `QuantStepDriver(dqsgd=...)`)."""
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be an int >= 1 (the training horizon DQ-SGD plans bits for), "
+                         f"got {total_steps!r}")
+    if lr is not None and not callable(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                                                or not lr > 0):
+        raise ValueError(f"lr must be a number > 0, a callable step -> lr, or None (read from the "
+                         f"optimizer), got {lr!r}")
+    # validates b_min, b_max, decay, error_budget
+    DqsgdPolicy(error_budget=1.0 if error_budget is None else error_budget, total_steps=total_steps,
+                b_min=b_min, b_max=b_max, decay=decay)
+    if isinstance(target_bits, bool) or not isinstance(target_bits, int) or not b_min <= target_bits <= b_max:
+        raise ValueError(f"target_bits must be an int in [b_min, b_max] = [{b_min}, {b_max}], got {target_bits!r}")
+    return {"total_steps": total_steps, "error_budget": error_budget, "target_bits": target_bits,
+            "b_min": b_min, "b_max": b_max, "decay": decay}
+
+
+def lr_at(lr: object, step: int, optimizer_lr: Callable[[], float | None]) -> float | None:
+    """The learning rate DQ-SGD uses at `step`: a number, a callable step -> lr, else the optimizer's."""
+    if callable(lr):
+        return float(lr(step))
+    if lr is not None:
+        return float(lr)  # type: ignore[arg-type]
+    return optimizer_lr()
