@@ -424,7 +424,7 @@ class Simulator:
                     evals.append((step, self._accuracy(model, task)))
                 if self.log_every and step % self.log_every == 0:
                     acc = evals[-1][1]
-                    print(f"  {label}: step {step}/{total_steps}, cf {plan.send_cf:g}, loss {rec.loss:.3f}, "
+                    print(f"  {label}: step {step}/{total_steps}, cf {plan.sent_cf:g}, loss {rec.loss:.3f}, "
                           f"acc {acc:.3f}, {time.perf_counter() - started:.0f}s", flush=True)
             epoch += 1
         for rk in ranks:  # the last step's duration: the driver observes the step before it
