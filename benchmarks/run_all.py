@@ -30,6 +30,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent  # this package's folder
 IMG = Path("docs/img/bench")
+HISTORY = Path("docs/benchmark-history.md")  # the hand-written analysis of earlier runs
 
 
 def image_dir(report: Path) -> Path:
@@ -464,6 +465,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
     img_root.mkdir(parents=True)
     info = runs[-1]["machine"]
     several = len(runs) > 1
+    history = os.path.relpath(REPO / HISTORY, (REPO / path).parent)  # a link that works from the report's folder
     which = {key: i + 1 for i, r in enumerate(runs) for key in r["sections"]}
     out = [
         "# Benchmarks",
@@ -487,7 +489,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
         "- emulated network: `benchmarks.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
         "this kernel lacks `sch_netem`)",
         "- analysis of earlier runs (why fp16 loses to dense on Gloo/CPU, why GraVAC's epsilon 0.9 stays dense "
-        "on these models): [docs/benchmark-history.md](docs/benchmark-history.md)",
+        f"on these models): [{history}]({history})",
         "",
     ]
     body: list[str] = []
