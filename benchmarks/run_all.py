@@ -30,7 +30,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent  # this package's folder
 IMG = Path("docs/img/bench")
-HISTORY = Path("docs/benchmark-history.md")  # the hand-written analysis of earlier runs
+HISTORY = Path("docs/history/early-benchmarks.md")  # the hand-written analysis of earlier runs
 
 
 def image_dir(report: Path) -> Path:
@@ -72,7 +72,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
     # Repeats (each on its own seed, tta_runs): one run per method let a slow phase of this shared 2-core machine
     # decide a section. In the run of commit 4c786ca the single AdaptiveCompression() runs of the LSTM and
     # ResNet-18 sections ran their steps 15 to 20 % slower than the static runs at the same CF, and an A/B
-    # right after, in alternating order, showed no such gap (docs/gravac.md, "Run F").
+    # right after, in alternating order, showed no such gap (docs/history/gravac-runs.md, "Run F").
     return [
         TtaTask("tta-100mbit", "digits MLP (width 1), 2 emulated hosts at 100 Mbit/s", (*mlp, "--width", "1"), 2,
                 "100mbit", digits_len, 5),
@@ -80,7 +80,8 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 "1gbit", digits_len, 5, repeats=1 if quick else 2),
         # Side by side (every method of a repeat in one job, in turns of 10 steps): run by run, with 4 ranks on 2
         # cores, the adaptive runs took 0.70x to 1.49x static top-k 100x's time over four seeds while sending the
-        # same CF on the same steps (docs/gravac.md, "Runs G and H"): separate runs compared the machine's phases.
+        # same CF on the same steps (docs/history/gravac-runs.md, "Runs G and H"): separate runs compared the
+        # machine's phases.
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
                 "a core), methods side by side", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5,
                 repeats=1 if quick else 2, side_by_side=True),
