@@ -50,12 +50,20 @@ def prose_lines(text: str) -> list[str]:
     return out
 
 
+def _plain(markup: str) -> str:
+    """Rendered text of inline markdown outside code spans."""
+    text = re.sub(r"!?\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\([^)]*\)", r"\1", markup)  # links and images: their text
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML
+    return re.sub(r"(?<!\w)[*_]+|[*_]+(?!\w)|\*+", "", text)  # emphasis markers (an underscore inside a word stays)
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading's source text."""
-    text = CODE_SPAN.sub(lambda m: m.group(2).strip(), heading)
-    text = re.sub(r"!?\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\([^)]*\)", r"\1", text)  # links and images: their text
-    text = re.sub(r"<[^>]+>", "", text)  # inline HTML
-    text = re.sub(r"(?<!\w)[*_]+|[*_]+(?!\w)|\*+", "", text)  # emphasis markers (an underscore inside a word stays)
+    parts, pos = [], 0
+    for m in CODE_SPAN.finditer(heading):  # code spans render their content verbatim
+        parts += [_plain(heading[pos:m.start()]), m.group(2).strip()]
+        pos = m.end()
+    text = "".join([*parts, _plain(heading[pos:])])
     text = re.sub(r"[^\w\- ]", "", text.strip().lower())
     return text.replace(" ", "-")
 
@@ -117,6 +125,8 @@ def test_slugs_follow_githubs_rules() -> None:
     assert slug("PyTorch DDP (no Horovod)") == "pytorch-ddp-no-horovod"
     assert slug("The `AdaptiveCompression()` *defaults*") == "the-adaptivecompression-defaults"
     assert slug("[Linked](x.md) heading") == "linked-heading"
+    assert slug("`__init__` and _emphasis_") == "__init__-and-emphasis"
+    assert slug("Outputs (`--out`, default `results/bench/X`)") == "outputs---out-default-resultsbenchx"
 
 
 def test_the_checker_finds_links_and_skips_code(tmp_path: Path) -> None:
