@@ -24,9 +24,12 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file: its relative imports resolve in the package it belongs to
+    __package__ = os.path.basename(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks import kernel_table  # noqa: E402
 from crossover.compression import kernels as K  # noqa: E402
+
+from . import kernel_table  # noqa: E402
 
 TOPK_TARGET = 6.0
 FP16_TARGET = 2.0

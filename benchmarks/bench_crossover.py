@@ -41,6 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+if not __package__:  # run as a file: its relative imports resolve in the package it belongs to
+    __package__ = Path(__file__).resolve().parent.name
 
 MODES = ("sequential", "uncoordinated", "crossover")
 
@@ -212,7 +214,7 @@ def _round_trip_here(cycles: int, pin: bool) -> dict[str, float]:
 def run_jobs(cluster: Any, args: argparse.Namespace, jobs: list[str], crossover: bool, workdir: Path,
              t0: float) -> dict[str, dict[str, Any]]:
     """Run the named jobs at the same time on ``cluster``; return each job's rank-0 result."""
-    from benchmarks import netem
+    from . import netem
 
     out: dict[str, dict[str, Any]] = {}
     errors: list[str] = []
@@ -291,7 +293,7 @@ def main() -> int:
 
     import subprocess
 
-    from benchmarks import netem
+    from . import netem
 
     reason = netem.netem_unavailable_reason()
     if reason:

@@ -233,9 +233,9 @@ def worker(cfg: dict[str, Any]) -> None:
     first), on the same batches; rank 0 writes each method's raw.json (benchmarks.trainer's format)."""
     import torch
 
-    from benchmarks.datasets import load_dataset
-    from benchmarks.models import build_model, count_parameters
-    from benchmarks.trainer import evaluate
+    from .datasets import load_dataset
+    from .models import build_model, count_parameters
+    from .trainer import evaluate
 
     host = cfg["host"]
     torch.set_num_threads(1)
@@ -341,7 +341,7 @@ def _run_ddp(cluster: Any, cmd: list[str], env: dict[str, str], port: int, timeo
 
 
 def _run_horovod(cluster: Any, cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
-    from benchmarks import netem
+    from . import netem
 
     try:
         res = netem.launch_horovod(cluster, 1, cmd, env=env, timeout=timeout)
@@ -353,7 +353,7 @@ def _run_horovod(cluster: Any, cmd: list[str], env: dict[str, str], timeout: flo
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The DDP methods side by side in one job, then each Horovod method in its own; results to args.out."""
-    from benchmarks import netem, report
+    from . import netem, report
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out).resolve()
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cfg = {**common, "host": host, "methods": names, "outs": outs}
             cfg_path = out / f"job{j}-{host}.json"
             cfg_path.write_text(json.dumps(cfg, indent=1))
-            cmd = [sys.executable, "-m", "benchmarks.bench_ddp", "--worker", str(cfg_path)]
+            cmd = [sys.executable, "-m", f"{__package__}.bench_ddp", "--worker", str(cfg_path)]
             t0 = time.monotonic()
             load = os.getloadavg()[0]
             print(f"[job {j + 1}/{len(jobs)}] {host}: {', '.join(names)} (side by side; load average {load:.1f})",
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.methods.split(",") if m.strip() and m.strip() not in METHODS]
     if unknown:
         p.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    from benchmarks import netem
+    from . import netem
 
     reason = netem.netem_unavailable_reason()
     if reason:

@@ -22,8 +22,9 @@ def worker(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
 
     sys.path.insert(0, str(REPO))
-    from benchmarks.digits import train_digits
     from crossover import AdaptiveCompression, QSGDCompression
+
+    from .digits import train_digits
 
     hvd.init()
     dense = train_digits(None, epochs=args.epochs)
@@ -80,7 +81,7 @@ def main() -> None:
         worker(args)
         return
     hr = Path(sys.executable).with_name("horovodrun")
-    cmd = [str(hr), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "benchmarks.bench_dqsgd",
+    cmd = [str(hr), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", f"{__package__}.bench_dqsgd",
            "--worker", "--epochs", str(args.epochs), "--out", str(Path(args.out).resolve())]
     print("command:", " ".join(sys.argv), flush=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -26,13 +26,16 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file: its relative imports resolve in the package it belongs to
+    __package__ = os.path.basename(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks import kernel_table  # noqa: E402
 from crossover.compression import kernels as K  # noqa: E402
 from crossover.compression import quantize as Q  # noqa: E402
 from crossover.compression.quant_codec import QuantCodec  # noqa: E402
 from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
 from crossover.driver import StepRecord  # noqa: E402
+
+from . import kernel_table  # noqa: E402
 
 TOPK_TARGET = 10.0
 _CUDA = True  # False with --device cpu (a dry run of this script on a machine without a GPU)

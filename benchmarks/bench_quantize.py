@@ -30,10 +30,13 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file: its relative imports resolve in the package it belongs to
+    __package__ = os.path.basename(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks import kernel_table  # noqa: E402
-from benchmarks.bench_compressors import cpu_name, timed  # noqa: E402
 from crossover.compression import quantize as Q  # noqa: E402
+
+from . import kernel_table  # noqa: E402
+from .bench_compressors import cpu_name, timed  # noqa: E402
 
 ROUND_TRIP_TARGET = 6.0
 BYTES_TOLERANCE = 0.10

@@ -141,13 +141,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    cmd = [sys.executable, "-m", "benchmarks.bench_step", "--worker", "--methods", args.methods,
+    cmd = [sys.executable, "-m", f"{__package__}.bench_step", "--worker", "--methods", args.methods,
            "--params", str(args.params), "--batch", str(args.batch), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--window", str(args.window), "--block", str(args.block)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     print("command:", " ".join(sys.argv), flush=True)
     if args.rate:
-        from benchmarks.netem import EmulatedCluster, launch_horovod
+        from .netem import EmulatedCluster, launch_horovod
 
         with EmulatedCluster(hosts=args.np, rate=args.rate, delay=args.delay) as cluster:
             procs = launch_horovod(cluster, 1, cmd, env=env, timeout=3600)

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks import registry
 from crossover import procgroup
+
+from . import registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Reject argument combinations that cannot run, with what to change (argparse error, exit 2)."""
-    from benchmarks import datasets
+    from . import datasets
 
     why = registry.compatible(a.model, a.dataset)
     if why:
@@ -220,7 +221,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.delay is not None and not a.bandwidth:
         p.error("--delay needs --bandwidth (the delay is added on the emulated links)")
     if a.bandwidth:
-        from benchmarks import netem
+        from . import netem
 
         try:
             netem.parse_rate(a.bandwidth)
@@ -365,7 +366,7 @@ def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Pat
 def _run_netem(cluster: Any, np_per_host: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
                verbose: bool) -> int:
     """Run ``cmd`` with ``np_per_host`` ranks on each emulated host; every rank's output goes to ``log``."""
-    from benchmarks import netem
+    from . import netem
 
     try:
         res = netem.launch_horovod(cluster, np_per_host, cmd, env=env, timeout=timeout, echo=verbose)
@@ -389,7 +390,7 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
     results: dict[str, int] = {}
     cluster: Any = None
     if a.bandwidth:
-        from benchmarks import netem
+        from . import netem
 
         cluster = netem.EmulatedCluster(a.hosts, a.bandwidth, a.delay)
     try:
@@ -406,9 +407,9 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
 
         def one(name: str, cfg: Path) -> None:
             job_env = dict(env)
-            cmd = [sys.executable, "-m", "benchmarks.trainer", str(cfg)]
+            cmd = [sys.executable, "-m", f"{__package__}.trainer", str(cfg)]
             if a.crossover and not a.no_scheduler:
-                cmd = [sys.executable, "-m", "horovod_ext.launch", "-m", "benchmarks.trainer", str(cfg)]
+                cmd = [sys.executable, "-m", "horovod_ext.launch", "-m", f"{__package__}.trainer", str(cfg)]
                 job_env.update(CROSSOVER_SCHED="1", CROSSOVER_JOB=name,
                                CROSSOVER_SCHED_DIR=str(sched / ("{host}" if cluster else "localhost")),
                                CROSSOVER_TELEMETRY_DIR=str(work / "telemetry"))
@@ -418,7 +419,7 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
 
         with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
             if a.side_by_side:  # one job trains every method
-                cmd = [sys.executable, "-m", "benchmarks.trainer", "--block", str(a.block),
+                cmd = [sys.executable, "-m", f"{__package__}.trainer", "--block", str(a.block),
                        *(str(c) for c in configs.values())]
                 results.update(dict.fromkeys(configs, run_job(cmd, {**env, "CROSSOVER_SCHED": "0"},
                                                               work.parent / "job.log")))
@@ -515,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = out / "job.log" if a.side_by_side else configs[n].parent / "job.log"
         print(f"\n{n} failed (exit {status[n]}); last lines of {log}:\n{_tail(log)}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
-    from benchmarks import report
+    from . import report
 
     for n, cfg_path in configs.items():
         raw_path = cfg_path.parent / "raw.json"

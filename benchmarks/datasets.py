@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from benchmarks import registry
+from . import registry
 
 __all__ = ["DataError", "ImageData", "TextData", "check_data", "load_dataset", "read_cifar", "read_ptb",
            "IMAGE_EXTENSIONS"]

@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/demo.py` from a checkout
     sys.path.insert(0, str(REPO))
+if not __package__:  # run as a file: its relative imports resolve in the package it belongs to
+    __package__ = Path(__file__).resolve().parent.name
 
 METHODS = (("none", "dense fp32"), ("fp16", "Horovod fp16"), ("gravac", "AdaptiveCompression()"))
 log = logging.getLogger("crossover.demo")
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(method: str, args: argparse.Namespace, out: Path, bandwidth: str | None) -> Path:
-    argv = [sys.executable, "-m", "benchmarks.cli", "--model", "mlp", "--dataset", "digits", "--width",
+    argv = [sys.executable, "-m", f"{__package__}.cli", "--model", "mlp", "--dataset", "digits", "--width",
             str(args.width), "--epochs", str(args.epochs), "--lr", "0.2", "--momentum", "0", "--eval-every",
             str(args.eval_every), "--hosts", "2", "--compression", method, "--out", str(out / method),
             "--no-plots"]
@@ -58,8 +60,8 @@ def _run(method: str, args: argparse.Namespace, out: Path, bandwidth: str | None
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    from benchmarks import report
-    from benchmarks.netem import netem_unavailable_reason
+    from . import report
+    from .netem import netem_unavailable_reason
 
     bandwidth = None if args.loopback else args.bandwidth
     if bandwidth:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.registry import Method
+from .registry import Method
 
 __all__ = ["CompressionOptions", "make_compression", "ByteCounter"]
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from benchmarks import registry
+from . import registry
 
 __all__ = ["ResNet", "VGG", "LSTMLanguageModel", "MLP", "build_model", "count_parameters", "shape_of"]
 

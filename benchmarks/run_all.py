@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent  # this package's folder
 IMG = Path("docs/img/bench")
+HISTORY = Path("docs/history/early-benchmarks.md")  # the hand-written analysis of earlier runs
 
 
 def image_dir(report: Path) -> Path:
@@ -70,7 +72,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
     # Repeats (each on its own seed, tta_runs): one run per method let a slow phase of this shared 2-core machine
     # decide a section. In the run of commit 4c786ca the single AdaptiveCompression() runs of the LSTM and
     # ResNet-18 sections ran their steps 15 to 20 % slower than the static runs at the same CF, and an A/B
-    # right after, in alternating order, showed no such gap (docs/gravac.md, "Run F").
+    # right after, in alternating order, showed no such gap (docs/history/gravac-runs.md, "Run F").
     return [
         TtaTask("tta-100mbit", "digits MLP (width 1), 2 emulated hosts at 100 Mbit/s", (*mlp, "--width", "1"), 2,
                 "100mbit", digits_len, 5),
@@ -78,7 +80,8 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 "1gbit", digits_len, 5, repeats=1 if quick else 2),
         # Side by side (every method of a repeat in one job, in turns of 10 steps): run by run, with 4 ranks on 2
         # cores, the adaptive runs took 0.70x to 1.49x static top-k 100x's time over four seeds while sending the
-        # same CF on the same steps (docs/gravac.md, "Runs G and H"): separate runs compared the machine's phases.
+        # same CF on the same steps (docs/history/gravac-runs.md, "Runs G and H"): separate runs compared the
+        # machine's phases.
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
                 "a core), methods side by side", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5,
                 repeats=1 if quick else 2, side_by_side=True),
@@ -126,11 +129,11 @@ def tta_runs(out: Path, task: TtaTask) -> list[Run]:
               "--eval-every", str(task.eval_every)]
     runs = []
     if task.side_by_side:
-        from benchmarks.cli import method_dir
+        from .cli import method_dir
 
         for rep in range(1, task.repeats + 1):
             sbs = out / f"side-by-side-{rep}"
-            argv = [sys.executable, "-m", "benchmarks.cli", *common, "--seed", str(rep - 1), "--side-by-side",
+            argv = [sys.executable, "-m", f"{__package__}.cli", *common, "--seed", str(rep - 1), "--side-by-side",
                     ",".join(TTA_METHODS), "--block", str(SIDE_BY_SIDE_BLOCK), "--out", str(sbs)]
             runs.append(Run(argv, [sbs / method_dir(m) / "results.json" for m in TTA_METHODS]))
         return runs
@@ -171,7 +174,7 @@ class Section:
 
 def _bench(out: Path, *args: str, label: str | None = None) -> Run:
     run_dir = out / (label or args[args.index("--compression") + 1]).replace(":", "").replace("@", "-")
-    argv = [sys.executable, "-m", "benchmarks.cli", *args, "--out", str(run_dir)]
+    argv = [sys.executable, "-m", f"{__package__}.cli", *args, "--out", str(run_dir)]
     if label:
         argv += ["--label", label]
     return Run(argv, [run_dir / "results.json"])
@@ -188,11 +191,11 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 "communication it saves is a regression. The targets (top-k class <= 6x, fp16 round trip "
                 "<= 2x a read pass) are checked in the output; an fp16 round trip moves 12 bytes per element "
                 "against the read pass's 4, so its 2x target is hard on a CPU.",
-                [Run(["taskset", "-c", "0", py, "benchmarks/bench_compressors.py", "--no-fallback", "--json",
+                [Run(["taskset", "-c", "0", py, str(HERE / "bench_compressors.py"), "--no-fallback", "--json",
                       str(out / "compressors.json"), *small])]),
         Section("quantizer", "Quantizer cost on one core",
                 "QSGD-style stochastic quantization (C kernels) against a read pass and a naive torch version.",
-                [Run(["taskset", "-c", "0", py, "benchmarks/bench_quantize.py", "--json", str(out / "quantize.json"),
+                [Run(["taskset", "-c", "0", py, str(HERE / "bench_quantize.py"), "--json", str(out / "quantize.json"),
                       *small])]),
         Section("step", "Training-step time on an emulated 1 Gbit/s link, 2 hosts",
                 "One process per emulated host, every method in the same processes, interleaved in blocks of 10 "
@@ -203,13 +206,13 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 "settled, the CF it settled on most and their median, to compare with the static row of that "
                 "CF (its policy times the wall time between its own steps: one step in each block of 10 "
                 "includes the other methods' turns).",
-                [Run([py, "-m", "benchmarks.bench_step", "--methods",
+                [Run([py, "-m", f"{__package__}.bench_step", "--methods",
                       "dense,hvd-fp16,fp16,topk:100,adaptive,adaptive-off",
                       "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "60",
                       "--rate", "1gbit", "--json", str(out / "step.json")])], needs_netem=True),
         Section("dqsgd", "DQ-SGD on the digits task",
                 "Dense, DQ-SGD and static QSGD train the digits MLP for the same epochs (loopback, 2 ranks).",
-                [Run([py, "-m", "benchmarks.bench_dqsgd", "--epochs", "3" if quick else "20",
+                [Run([py, "-m", f"{__package__}.bench_dqsgd", "--epochs", "3" if quick else "20",
                       "--out", str(out / "dqsgd")])], images=[out / "dqsgd.png"]),
     ]
     for task in tta_tasks(quick):
@@ -236,13 +239,14 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         "learning rate (SGD 0.2); the DDP methods train side by side in one job. "
         "Wire bytes are measured on the emulated links; the target is DDP dense's final accuracy, checked once "
         "per epoch (docs/ddp.md).",
-        [Run([py, "-m", "benchmarks.bench_ddp", "--rate", "1gbit", "--hosts", "2", "--epochs", "1" if quick else "12",
-              "--out", str(out / "ddp"), "--json", str(out / "ddp.json")])], needs_netem=True))
+        [Run([py, "-m", f"{__package__}.bench_ddp", "--rate", "1gbit", "--hosts", "2",
+              "--epochs", "1" if quick else "12", "--out", str(out / "ddp"), "--json", str(out / "ddp.json")])],
+        needs_netem=True))
     s.append(Section(
         "crossover", "Crossover scheduling: two jobs sharing two emulated hosts",
         "Two identical 2-rank jobs, one rank per emulated host, each host's device one pinned core; one "
         "after the other, both at once without the scheduler, both under crossover (interleaved repeats).",
-        [Run([py, "benchmarks/bench_crossover.py", "--repeat", "1" if quick else "2", "--steps", "5" if quick
+        [Run([py, str(HERE / "bench_crossover.py"), "--repeat", "1" if quick else "2", "--steps", "5" if quick
               else "20", "--params", "1000000" if quick else "4000000", "--json", str(out / "crossover.json")]),
          _bench(out / "crossover-timeline", "--model", "mlp", "--dataset", "digits", "--width", "4", "--hosts", "2",
                 "--bandwidth", "300mbit", "--epochs", "1", "--max-steps", "12" if quick else "40", "--crossover",
@@ -269,7 +273,7 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
 
 def render_compare(section: Section, img_dir: Path) -> str:
     """The comparison table of a section's crossover-bench runs, and its plots."""
-    from benchmarks import report
+    from . import report
 
     paths = [p for r in section.runs for p in r.results if p.is_file()]
     if not paths:
@@ -462,6 +466,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
     img_root.mkdir(parents=True)
     info = runs[-1]["machine"]
     several = len(runs) > 1
+    history = os.path.relpath(REPO / HISTORY, (REPO / path).parent)  # a link that works from the report's folder
     which = {key: i + 1 for i, r in enumerate(runs) for key in r["sections"]}
     out = [
         "# Benchmarks",
@@ -473,7 +478,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
     ]
     for i, r in enumerate(runs, 1):
         m = r["machine"]
-        cmd = shlex.join(["python", "-m", "benchmarks.run_all", *_show(r["argv"])])
+        cmd = shlex.join(["python", "-m", f"{__package__}.run_all", *_show(r["argv"])])
         out.append(f"- run{f' {i}' if several else ''}: `{cmd}`, {m['date']}, commit {m['commit']}, "
                    f"{r['wall_s'] / 60:.0f} minutes, load average {m['load']:.2f} at the start"
                    + (f"; sections {', '.join(r['sections'])}" if several else ""))
@@ -485,7 +490,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
         "- emulated network: `benchmarks.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
         "this kernel lacks `sch_netem`)",
         "- analysis of earlier runs (why fp16 loses to dense on Gloo/CPU, why GraVAC's epsilon 0.9 stays dense "
-        "on these models): [docs/benchmark-history.md](docs/benchmark-history.md)",
+        f"on these models): [{history}]({history})",
         "",
     ]
     body: list[str] = []
@@ -585,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         for sec in secs:
             _restore(sec, saved["sections"][sec.key], out)
     else:
-        from benchmarks import netem
+        from . import netem
 
         if not args.merge:
             if out.exists():

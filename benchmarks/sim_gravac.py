@@ -51,6 +51,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+if not __package__:  # run as a file: its relative imports resolve in the package it belongs to
+    __package__ = Path(__file__).resolve().parent.name
 
 import torch  # noqa: E402
 
@@ -208,8 +210,8 @@ class _Task:
 
 
 def _build_task(seed: int, width: float, world: int, batch: int) -> _Task:
-    from benchmarks.datasets import load_dataset
-    from benchmarks.models import build_model
+    from .datasets import load_dataset
+    from .models import build_model
 
     torch.manual_seed(seed)  # as benchmarks/trainer.py: seed, then data, then model
     data = load_dataset("digits", None, seed=seed)
@@ -221,7 +223,7 @@ def _build_task(seed: int, width: float, world: int, batch: int) -> _Task:
 
 
 def _new_model(task: _Task) -> torch.nn.Module:
-    from benchmarks.models import build_model
+    from .models import build_model
 
     model = build_model("mlp", "digits", task.data.num_classes, width=task.width)
     model.load_state_dict(task.init_state)

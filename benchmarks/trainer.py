@@ -98,10 +98,10 @@ class _Training:
     process in turns (``run_side_by_side``) and each still measures what it alone costs."""
 
     def __init__(self, cfg: dict[str, Any], data: Any, hvd: Any, index: int = 0) -> None:
-        from benchmarks.datasets import TextData
-        from benchmarks.methods import ByteCounter, CompressionOptions, make_compression
-        from benchmarks.models import build_model, count_parameters
-        from benchmarks.registry import parse_compression
+        from .datasets import TextData
+        from .methods import ByteCounter, CompressionOptions, make_compression
+        from .models import build_model, count_parameters
+        from .registry import parse_compression
 
         self.cfg, self.data, self.hvd = cfg, data, hvd
         rank, size = hvd.rank(), hvd.size()
@@ -277,7 +277,7 @@ def _start(cfgs: list[dict[str, Any]]) -> tuple[Any, list[_Training], float]:
     setup_start = time.time()
     import horovod.torch as hvd
 
-    from benchmarks.datasets import load_dataset
+    from .datasets import load_dataset
 
     hvd.init()
     cfg = cfgs[0]

@@ -56,7 +56,7 @@ def _measure_cli(args: argparse.Namespace) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.netem",
+        prog=f"python -m {__package__}",
         description="Run a command, or a Horovod job, over an emulated network of chosen bandwidth "
                     "(Linux network namespaces shaped with tc; needs root).",
         epilog="examples:\n"
