@@ -62,7 +62,9 @@ def tensor_framework(tensor: Any) -> str:
 def _framework_class(name: str, framework: str) -> type:
     torch_mod, tf_mod = FRAMEWORKS[name]
     if framework == "tensorflow":
-        importlib.import_module("crossover.tensorflow")  # the Keras guard, as `from crossover.tensorflow import`
+        from horovod_ext.keras_guard import install_keras_guard
+
+        install_keras_guard()  # what `from crossover.tensorflow import` does, without importing the public face
     return getattr(importlib.import_module(tf_mod if framework == "tensorflow" else torch_mod), name)
 
 
