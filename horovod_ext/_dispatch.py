@@ -20,6 +20,8 @@ import importlib
 import sys
 from typing import Any
 
+from horovod_ext._class_guard import CompressionType
+
 __all__ = ["FRAMEWORKS", "lazy_class", "script_framework", "tensor_framework"]
 
 # name -> (horovod.torch module, horovod.tensorflow module) that define it
@@ -73,7 +75,7 @@ def _inside_tf_function() -> bool:
     return tf is not None and bool(tf.inside_function()) and not tf.executing_eagerly()
 
 
-class LazyCompression:
+class LazyCompression(metaclass=CompressionType):
     """A compression object whose framework is decided at its first `compress` (see the module doc)."""
 
     _name = ""
