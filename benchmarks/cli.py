@@ -95,9 +95,12 @@ def method_dir(method: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The crossover-bench argument parser."""
+    import crossover
+
     p = argparse.ArgumentParser(prog="crossover-bench", description=__doc__.splitlines()[0],
                                 epilog="\n".join(__doc__.splitlines()[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {crossover.__version__}")
     w = p.add_argument_group("workload")
     w.add_argument("--model", required=True, choices=registry.MODELS, help="model to train")
     w.add_argument("--dataset", required=True, choices=registry.DATASETS,
@@ -166,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensors smaller than this go dense (default: the compression object's, 16384)")
     n = p.add_argument_group("cluster")
     n.add_argument("--hosts", type=_positive_int, default=2, help="hosts (emulated with --bandwidth; default 2)")
-    n.add_argument("--np", type=_positive_int, default=1, help="ranks per host (default 1)")
+    n.add_argument("-np", "--np", dest="np", type=_positive_int, default=1, metavar="N",
+                   help="ranks per host (default 1; ranks in all: --hosts x -np)")
     n.add_argument("--bandwidth", default=None,
                    help="link rate of every emulated host, tc units (100mbit, 1gbit, 10gbit); needs root")
     n.add_argument("--delay", default=None, help="one-way link delay (e.g. 1ms); needs the kernel's netem qdisc")
@@ -211,7 +215,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.tie_weights and a.model != "lstm":
         p.error("--tie-weights applies to --model lstm only")
     if a.hosts * a.np < 2:
-        p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or --np 2)")
+        p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or -np 2)")
     if a.side_by_side and (a.crossover or a.label or a.json or a.csv):
         p.error("--side-by-side writes one folder per method under --out: it takes no --crossover, --label, --json "
                 "or --csv")

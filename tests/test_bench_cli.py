@@ -50,6 +50,21 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in out
 
 
+def test_np_is_accepted_with_one_or_two_dashes() -> None:
+    base = ["--model", "mlp", "--dataset", "digits", "--hosts", "2"]
+    assert cli.build_parser().parse_args([*base, "-np", "3"]).np == 3
+    assert cli.build_parser().parse_args([*base, "--np", "3"]).np == 3
+
+
+def test_version_prints_crossovers_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import crossover
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"crossover-bench {crossover.__version__}"
+
+
 SYN = ["--dataset", "cifar10", "--data", "synthetic"]
 BAD = [
     (["--model", "resnet34", *SYN], "invalid choice: 'resnet34'"),
