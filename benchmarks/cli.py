@@ -295,48 +295,6 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- launching
 
 
-class _Progress:
-    """tqdm bars fed from the progress files rank 0 of each job writes (disabled when not a terminal)."""
-
-    def __init__(self, files: dict[str, Path]) -> None:
-        self.files = files
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> _Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _loop(self) -> None:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        bars = {name: tqdm(total=None, desc=name, unit="step", disable=None, leave=True, dynamic_ncols=True)
-                for name in self.files}
-        try:
-            while True:
-                for name, path in self.files.items():
-                    try:
-                        step, total, loss = path.read_text().split()
-                    except (OSError, ValueError):
-                        continue
-                    bar = bars[name]
-                    bar.total = int(total)
-                    bar.n = int(step)
-                    bar.set_postfix_str(f"loss {float(loss):.3f}", refresh=False)
-                    bar.refresh()
-                if self._stop.wait(0.5):
-                    break
-        finally:
-            for bar in bars.values():
-                bar.close()
-
-
 def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
                     verbose: bool) -> int:
     """Run ``cmd`` on ``np_total`` local ranks with horovodrun; output to ``log`` (and the terminal if verbose)."""
@@ -420,7 +378,9 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
                 job_env["CROSSOVER_SCHED"] = "0"
             results[name] = run_job(cmd, job_env, cfg.parent / "job.log")
 
-        with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
+        from .progress import ProgressDisplay
+
+        with ProgressDisplay({n: c.parent / "progress" for n, c in configs.items()}):
             if a.side_by_side:  # one job trains every method
                 cmd = [sys.executable, "-m", "benchmarks.trainer", "--block", str(a.block),
                        *(str(c) for c in configs.values())]

@@ -161,6 +161,9 @@ def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
     assert 0 <= s["final_metric"] <= 1 and s["time_to_target_s"] is not None
     assert res["config"]["data"] == str(data) and res["meta"]["data_info"].startswith("cifar10 from")
     assert "median step" in proc.stdout and "wrote" in proc.stdout
+    # not a terminal: plain progress lines, the last one on the training's own clock (benchmarks/progress.py)
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("job: ")]
+    assert progress[0].startswith("job: step ") and progress[-1].startswith("job: done, 6/6 steps in "), proc.stdout
 
 
 def test_tiny_run_on_the_emulated_network(tmp_path: Path) -> None:
