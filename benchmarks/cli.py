@@ -96,9 +96,12 @@ def method_dir(method: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The crossover-bench argument parser."""
+    import crossover
+
     p = argparse.ArgumentParser(prog="crossover-bench", description=__doc__.splitlines()[0],
                                 epilog="\n".join(__doc__.splitlines()[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {crossover.__version__}")
     w = p.add_argument_group("workload")
     w.add_argument("--model", required=True, choices=registry.MODELS, help="model to train")
     w.add_argument("--dataset", required=True, choices=registry.DATASETS,
@@ -167,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensors smaller than this go dense (default: the compression object's, 16384)")
     n = p.add_argument_group("cluster")
     n.add_argument("--hosts", type=_positive_int, default=2, help="hosts (emulated with --bandwidth; default 2)")
-    n.add_argument("--np", type=_positive_int, default=1, help="ranks per host (default 1)")
+    n.add_argument("-np", "--np", dest="np", type=_positive_int, default=1, metavar="N",
+                   help="ranks per host (default 1; ranks in all: --hosts x -np)")
     n.add_argument("--bandwidth", default=None,
                    help="link rate of every emulated host, tc units (100mbit, 1gbit, 10gbit); needs root")
     n.add_argument("--delay", default=None, help="one-way link delay (e.g. 1ms); needs the kernel's netem qdisc")
@@ -212,7 +216,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.tie_weights and a.model != "lstm":
         p.error("--tie-weights applies to --model lstm only")
     if a.hosts * a.np < 2:
-        p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or --np 2)")
+        p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or -np 2)")
     if a.side_by_side and (a.crossover or a.label or a.json or a.csv):
         p.error("--side-by-side writes one folder per method under --out: it takes no --crossover, --label, --json "
                 "or --csv")
@@ -290,48 +294,6 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- launching
-
-
-class _Progress:
-    """tqdm bars fed from the progress files rank 0 of each job writes (disabled when not a terminal)."""
-
-    def __init__(self, files: dict[str, Path]) -> None:
-        self.files = files
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> _Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _loop(self) -> None:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        bars = {name: tqdm(total=None, desc=name, unit="step", disable=None, leave=True, dynamic_ncols=True)
-                for name in self.files}
-        try:
-            while True:
-                for name, path in self.files.items():
-                    try:
-                        step, total, loss = path.read_text().split()
-                    except (OSError, ValueError):
-                        continue
-                    bar = bars[name]
-                    bar.total = int(total)
-                    bar.n = int(step)
-                    bar.set_postfix_str(f"loss {float(loss):.3f}", refresh=False)
-                    bar.refresh()
-                if self._stop.wait(0.5):
-                    break
-        finally:
-            for bar in bars.values():
-                bar.close()
 
 
 def _run_horovodrun(np_total: int, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
@@ -417,7 +379,9 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
                 job_env["CROSSOVER_SCHED"] = "0"
             results[name] = run_job(cmd, job_env, cfg.parent / "job.log")
 
-        with _Progress({n: c.parent / "progress" for n, c in configs.items()}):
+        from .progress import ProgressDisplay
+
+        with ProgressDisplay({n: c.parent / "progress" for n, c in configs.items()}):
             if a.side_by_side:  # one job trains every method
                 cmd = [sys.executable, "-m", f"{__package__}.trainer", "--block", str(a.block),
                        *(str(c) for c in configs.values())]

@@ -7,7 +7,8 @@ two emulated hosts joined by a 1 Gbit/s link (benchmarks/netem: network namespac
 communication costs what it costs on a real cluster; otherwise they share the loopback, and the demo
 says so (loopback is so fast that compression has little to win). It prints the time each run took to
 reach the dense run's final accuracy (within 1 point; evaluated every few steps), the bytes it sent
-and its final accuracy. Every run is a `crossover-bench` run (benchmarks/cli.py); `--out` keeps them.
+and its final accuracy; while each run trains, a progress bar (a line every 10 s when not on a terminal).
+Every run is a `crossover-bench` run (benchmarks/cli.py); `--out` keeps them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(method: str, args: argparse.Namespace, out: Path, bandwidth: str | None) -> Path:
+def _run(method: str, label: str, args: argparse.Namespace, out: Path, bandwidth: str | None) -> Path:
+    """One crossover-bench run, its output kept for a failure; its progress shown meanwhile (benchmarks/progress.py:
+    a bar on a terminal, a line every few seconds otherwise)."""
+    from .progress import ProgressDisplay
+
     argv = [sys.executable, "-m", f"{__package__}.cli", "--model", "mlp", "--dataset", "digits", "--width",
             str(args.width), "--epochs", str(args.epochs), "--lr", "0.2", "--momentum", "0", "--eval-every",
             str(args.eval_every), "--hosts", "2", "--compression", method, "--out", str(out / method),
@@ -50,7 +55,10 @@ def _run(method: str, args: argparse.Namespace, out: Path, bandwidth: str | None
     if bandwidth:
         argv += ["--bandwidth", bandwidth]
     log.info("running %s", " ".join(a if a != sys.executable else "python" for a in argv))
-    proc = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    progress = out / method / "progress"
+    progress.unlink(missing_ok=True)  # a kept --out folder: not the previous run's
+    with ProgressDisplay({label: progress}):
+        proc = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout)
         raise SystemExit(f"demo: the {method} run failed (exit {proc.returncode}); its output is above")
@@ -73,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="crossover-demo-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        paths = [_run(m, args, out, bandwidth) for m, _ in METHODS]
+        paths = [_run(m, name, args, out, bandwidth) for m, name in METHODS]
         res = report.compare(paths, out / "compare")
     rows = {r["method"]: r for r in res["rows"]}
     dense = rows["none"]

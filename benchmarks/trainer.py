@@ -5,7 +5,7 @@ The benchmark CLI (:mod:`benchmarks.cli`) writes the config and starts this modu
 shard with ``hvd.DistributedOptimizer`` and the chosen compression; evaluation is sharded too and summed
 over ranks. Rank 0 records per step (time, bytes, CF or bits, loss) and per evaluation (accuracy or
 perplexity, training time so far) and writes ``raw.json`` in the output folder, plus a ``progress``
-file the CLI reads for its progress bar.
+file the CLI (and ``make demo``) read for their progress lines (benchmarks/progress.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .progress import Reading, write_progress
 
 log = logging.getLogger("benchmarks.trainer")
 
@@ -164,6 +166,7 @@ class _Training:
         self.epoch = 0
         self.train_s = 0.0
         self.wall_s = 0.0  # this training's own time, evaluations included
+        self.first_step_at: float | None = None  # wall time when the first step began (the progress clock)
         self._batches: Any = None
         self._in_epoch = 0
         self._state: Any = None  # the LSTM's hidden state, carried across windows of an epoch
@@ -223,6 +226,8 @@ class _Training:
         for _ in range(n):
             if self.done:
                 return
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
             (x, y), t_data = self._next_batch()
             t0 = time.perf_counter()
             if self.cosine:
@@ -256,7 +261,8 @@ class _Training:
                                    "data_s": round(t0 - t_data, 6), "loss": loss_v, "bytes_sent": sent,
                                    "bytes_dense": dense, "cf": cf, "bits": bits,
                                    "lr": self.sgd.param_groups[0]["lr"]})
-                _write_atomic(self.out / "progress", f"{self.step} {self.total} {loss_v:.4f}")
+                write_progress(self.out / "progress",
+                               Reading(self.step, self.total, loss_v, self.first_step_at, time.time()))
             if self.eval_every and self.step % self.eval_every == 0 and not self.done:
                 self._evaluate()
 

@@ -20,6 +20,8 @@ import importlib
 import sys
 from typing import Any
 
+from horovod_ext._class_guard import CompressionType
+
 __all__ = ["FRAMEWORKS", "lazy_class", "script_framework", "tensor_framework"]
 
 # name -> (horovod.torch module, horovod.tensorflow module) that define it
@@ -62,7 +64,9 @@ def tensor_framework(tensor: Any) -> str:
 def _framework_class(name: str, framework: str) -> type:
     torch_mod, tf_mod = FRAMEWORKS[name]
     if framework == "tensorflow":
-        importlib.import_module("crossover.tensorflow")  # the Keras guard, as `from crossover.tensorflow import`
+        from horovod_ext.keras_guard import install_keras_guard
+
+        install_keras_guard()  # what `from crossover.tensorflow import` does, without importing the public face
     return getattr(importlib.import_module(tf_mod if framework == "tensorflow" else torch_mod), name)
 
 
@@ -71,7 +75,7 @@ def _inside_tf_function() -> bool:
     return tf is not None and bool(tf.inside_function()) and not tf.executing_eagerly()
 
 
-class LazyCompression:
+class LazyCompression(metaclass=CompressionType):
     """A compression object whose framework is decided at its first `compress` (see the module doc)."""
 
     _name = ""

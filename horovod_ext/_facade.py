@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from crossover.driver import DQSGD_PARAMS
+from horovod_ext._class_guard import CompressionType
 
 __all__ = ["AdaptiveFacade", "POLICIES"]
 
 POLICIES = ("gravac", "dqsgd")
 
 
-class AdaptiveFacade:
+class AdaptiveFacade(metaclass=CompressionType):
     """Base of the frameworks' `AdaptiveCompression`; subclasses set `_gravac` and `_dqsgd`."""
 
     _gravac: ClassVar[type]

@@ -24,11 +24,14 @@ import numpy as np
 import tensorflow as tf
 
 from crossover.driver import check_min_numel
+from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
 
 __all__ = ["INSIDE_FUNCTION_ERROR", "TFHookBase", "check_built_outside_function", "check_op", "safe_name",
            "hook_context", "tracing_function"]
 
+# compression=AdaptiveCompression (the class) fails when the optimizer or tape is built
+guard_constructors(hvd, ("DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape"))
 _INSTANCES = itertools.count()  # objects are created in the same order on every rank: a shared id
 INSIDE_FUNCTION_ERROR = (
     "crossover's {name} was created inside a tf.function. It keeps state across steps (tf.Variables: "
@@ -74,7 +77,7 @@ def safe_name(key: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in key)
 
 
-class TFHookBase:
+class TFHookBase(metaclass=CompressionType):
     """Plan-per-step plumbing shared by the sparsifying and the quantizing TF compressions."""
 
     _plan_len = 1

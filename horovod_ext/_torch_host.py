@@ -20,11 +20,14 @@ import horovod.torch as hvd
 import torch
 
 from crossover.driver import GradientKeys, check_min_numel
+from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import torch_hook_caller, torch_process_set
 
 __all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]
 
 log = logging.getLogger(__name__)
+
+guard_constructors(hvd, ("DistributedOptimizer",))  # compression=AdaptiveCompression (the class) fails there
 
 SHARED_ERROR = ("crossover: this compression object is already used by another DistributedOptimizer. Its state "
                 "(error-feedback residuals keyed by parameter name, step counter, policy) belongs to one "
@@ -53,7 +56,7 @@ class HorovodCollectives:
         return hvd.synchronize(handle)
 
 
-class TorchHookBase:
+class TorchHookBase(metaclass=CompressionType):
     """Step boundaries, keys and pass-through for a horovod.torch compression object."""
 
     def __init__(self, *, min_compress_numel: int) -> None:

@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import Any
 
+from horovod_ext._class_guard import guard_constructors
 from horovod_ext._internals import check_version
 
 __all__ = ["KERAS3_MESSAGE", "KerasVersionError", "check_keras_optimizer", "install_keras_guard"]
@@ -81,4 +82,6 @@ def install_keras_guard() -> bool:
 
         guarded._crossover_guard = True  # type: ignore[attr-defined]
         mod.DistributedOptimizer = guarded
+    for mod in modules:
+        guard_constructors(mod, ("DistributedOptimizer", "PartialDistributedOptimizer"))  # compression=<class>
     return True

@@ -32,6 +32,7 @@ import tensorflow as tf
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.wire import SparseStatsLayout, shared_seed
 from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
+from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name, tracing_function
 from horovod_ext.tf_quantization import DqsgdCompression
@@ -311,7 +312,7 @@ class AdaptiveCompression(AdaptiveFacade):
     _dqsgd = DqsgdCompression
 
 
-class FP16Compression:
+class FP16Compression(metaclass=CompressionType):
     """fp16 casts (like hvd.Compression.fp16) with byte counters; summable, so plain allreduce.
 
     May be built inside a tf.function, as Horovod's TF2 example does with `hvd.Compression.fp16`:

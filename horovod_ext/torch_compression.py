@@ -27,6 +27,7 @@ import torch
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
+from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._torch_host import TorchHookBase
 from horovod_ext.torch_quantization import DqsgdCompression
@@ -167,7 +168,7 @@ class AdaptiveCompression(AdaptiveFacade):
     _dqsgd = DqsgdCompression
 
 
-class FP16Compression:
+class FP16Compression(metaclass=CompressionType):
     """fp16 casts (like hvd.Compression.fp16) with a counter of bytes; summable, so plain allreduce."""
 
     def __init__(self) -> None:

@@ -216,7 +216,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", str(wheel)],
                    check=True)
     # Horovod's own runtime requirements (installed separately because of --no-deps above).
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cloudpickle", "psutil", "pyyaml",
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cffi", "cloudpickle", "psutil", "pyyaml",
                     "packaging"], check=True)
 
 

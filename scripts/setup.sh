@@ -37,9 +37,10 @@ if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
   "${PIP[@]}" install -q "torch==2.13.0"
 fi
 
-# 3. Build tools and the project's test/benchmark dependencies.
+# 3. Build tools, the project's test/benchmark dependencies (tensorboard: the TensorBoard output, imported only
+# when asked for) and Horovod's runtime requirements (cffi: Horovod 0.28.1 declares it; `pip check` stays clean).
 "${PIP[@]}" install -q "setuptools>=64,<81" wheel numpy psutil pytest pytest-timeout scikit-learn \
-  matplotlib pillow tqdm ruff cloudpickle pyyaml packaging
+  matplotlib pillow tqdm ruff tensorboard cffi cloudpickle pyyaml packaging
 
 # 4. TensorFlow (optional): only when asked for, with tf-keras for Horovod's Keras path.
 HVD_ARGS=()
@@ -93,4 +94,5 @@ if [ "${WITH_TF:-0}" = "1" ]; then
   grep -q '\[X\] TensorFlow' "$CHECK" \
     || { echo "[setup] ERROR: Horovod lacks TensorFlow (rebuild: CROSSOVER_REBUILD=1 WITH_TF=1 make setup)" >&2; exit 1; }
 fi
+"${PIP[@]}" check >/dev/null || say "WARNING: pip check reports broken requirements in $PY's environment: ${PIP[*]} check"
 say "ready: $PY"

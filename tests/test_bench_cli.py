@@ -50,6 +50,21 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in out
 
 
+def test_np_is_accepted_with_one_or_two_dashes() -> None:
+    base = ["--model", "mlp", "--dataset", "digits", "--hosts", "2"]
+    assert cli.build_parser().parse_args([*base, "-np", "3"]).np == 3
+    assert cli.build_parser().parse_args([*base, "--np", "3"]).np == 3
+
+
+def test_version_prints_crossovers_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import crossover
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"crossover-bench {crossover.__version__}"
+
+
 SYN = ["--dataset", "cifar10", "--data", "synthetic"]
 BAD = [
     (["--model", "resnet34", *SYN], "invalid choice: 'resnet34'"),
@@ -146,6 +161,9 @@ def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
     assert 0 <= s["final_metric"] <= 1 and s["time_to_target_s"] is not None
     assert res["config"]["data"] == str(data) and res["meta"]["data_info"].startswith("cifar10 from")
     assert "median step" in proc.stdout and "wrote" in proc.stdout
+    # not a terminal: plain progress lines, the last one on the training's own clock (benchmarks/progress.py)
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("job: ")]
+    assert progress[0].startswith("job: step ") and progress[-1].startswith("job: done, 6/6 steps in "), proc.stdout
 
 
 def test_tiny_run_on_the_emulated_network(tmp_path: Path) -> None:

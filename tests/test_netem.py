@@ -82,8 +82,20 @@ def test_cli_help() -> None:
     res = subprocess.run([sys.executable, "-m", "benchmarks.netem", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    for flag in ("--rate", "--delay", "--hosts", "--procs-per-host", "--measure"):
+    for flag in ("--rate", "--delay", "--hosts", "-np", "--procs-per-host", "--measure", "--version"):
         assert flag in res.stdout
+    assert res.stdout.startswith("usage: crossover-netem ") and "python -m benchmarks" not in res.stdout
+
+
+def test_cli_version_and_np() -> None:
+    import crossover
+    from benchmarks.netem import cli
+
+    res = subprocess.run([sys.executable, "-m", "benchmarks.netem", "--version"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == f"crossover-netem {crossover.__version__}", res
+    for flag in ("-np", "--np", "--procs-per-host"):
+        assert cli._build_parser().parse_args([flag, "3", "--", "true"]).procs_per_host == 3
 
 
 # --------------------------------------------------------------------------- shaped loopback

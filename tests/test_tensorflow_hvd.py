@@ -263,6 +263,56 @@ def test_adasum_is_refused_clearly():
         assert "Adasum" in msg and "hvd.Average" in msg
 
 
+TF_CLASSES = ("AdaptiveCompression", "StaticCompression", "FP16Compression", "QSGDCompression", "DqsgdCompression")
+
+
+def class_forms_job():
+    """compression=<crossover class> (not an object): refused by the tape / optimizer constructors,
+    and by `compress` itself where no constructor is in between (hvd.allreduce)."""
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    import tensorflow as tf
+
+    import crossover
+    import crossover.tensorflow as xt
+    from horovod_ext import _dispatch
+
+    classes = {f"crossover.tensorflow.{n}": getattr(xt, n) for n in TF_CLASSES}
+    classes.update({f"crossover.{n}": getattr(crossover, n) for n in TF_CLASSES})
+    classes.update({f"lazy.{n}": _dispatch.lazy_class(n) for n in TF_CLASSES})
+    v = tf.Variable(np.ones(8, np.float32))
+    out = {}
+    for label, cls in classes.items():
+        for where, build in (
+            ("tape", lambda c: hvd.DistributedGradientTape(tf.GradientTape(), compression=c)),
+            ("keras", lambda c: hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=c)),
+            ("allreduce", lambda c: hvd.allreduce(v, compression=c)),
+        ):
+            try:
+                build(cls)
+                out[f"{label}/{where}"] = ["accepted"]
+            except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+                out[f"{label}/{where}"] = [type(exc).__name__, isinstance(exc, TypeError), str(exc)]
+    with tf.GradientTape() as tape:  # the instance form still works
+        loss = tf.reduce_sum(v * float(hvd.rank() + 1))
+    grads = hvd.DistributedGradientTape(tape, compression=xt.FP16Compression()).gradient(loss, [v])
+    out["instance"] = [grads[0].numpy().tolist()]
+    return out
+
+
+def test_every_class_is_refused_when_the_tape_or_optimizer_is_built():
+    res = run_tf(class_forms_job)
+    assert res[0] == res[1]
+    out = res[0]
+    for label, value in out.items():
+        if label == "instance":
+            assert value == [[1.5] * 8]
+            continue
+        name = label.split("/")[0].rsplit(".", 1)[-1]
+        assert value[0] == "CompressionClassError" and value[1], (label, value)
+        assert f"compression={name}()" in value[2] and "one per optimizer" in value[2], (label, value)
+
+
 def test_bad_settings_raise_at_construction():
     code = r"""
 import json

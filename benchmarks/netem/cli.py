@@ -54,16 +54,22 @@ def _measure_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+PROG = "crossover-netem"
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    import crossover
+
     p = argparse.ArgumentParser(
-        prog=f"python -m {__package__}",
+        prog=PROG,
         description="Run a command, or a Horovod job, over an emulated network of chosen bandwidth "
                     "(Linux network namespaces shaped with tc; needs root).",
         epilog="examples:\n"
-               "  python -m benchmarks.netem --rate 200mbit -- python bench.py\n"
-               "  python -m benchmarks.netem --hosts 2 --procs-per-host 1 --rate 1gbit -- python train.py\n"
-               "  python -m benchmarks.netem --hosts 2 --rate 200mbit --measure\n",
+               f"  {PROG} --rate 200mbit -- python bench.py\n"
+               f"  {PROG} --hosts 2 -np 1 --rate 1gbit -- python train.py\n"
+               f"  {PROG} --hosts 2 --rate 200mbit --measure\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {crossover.__version__}")
     p.add_argument("--rate", default="1gbit", help="link rate in tc units (default: %(default)s)")
     p.add_argument("--delay", default=None,
                    help="added one-way delay, e.g. 1ms (needs the kernel's netem qdisc)")
@@ -72,7 +78,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="emulate this many hosts (one namespace each, full-duplex links of --rate) and "
                         "run CMD as a Horovod job over them; without it CMD runs once in one namespace "
                         "with a shaped loopback")
-    p.add_argument("--procs-per-host", type=int, default=1, help="Horovod ranks per host (default: 1)")
+    p.add_argument("-np", "--np", "--procs-per-host", dest="procs_per_host", type=int, default=1, metavar="N",
+                   help="Horovod ranks per host (default: 1)")
     p.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
     p.add_argument("--measure", action="store_true",
                    help="instead of CMD, measure TCP throughput over the emulated links and print it")
@@ -107,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     reason = netem_unavailable_reason(delay=bool(args.delay))
     if reason:
-        sys.stderr.write(f"benchmarks.netem: {reason}\n")
+        sys.stderr.write(f"{PROG}: {reason}\n")
         return 2
     if args.measure:
         return _measure_cli(args)
@@ -122,13 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         codes = [r.returncode for r in results]
         failed = [c for c in codes if c]
         if failed:
-            sys.stderr.write(f"benchmarks.netem: rank exit codes {codes}\n")
+            sys.stderr.write(f"{PROG}: rank exit codes {codes}\n")
         return failed[0] if failed and failed[0] > 0 else (1 if failed else 0)
     except subprocess.TimeoutExpired as exc:
         if not isinstance(exc, HorovodTimeout):
-            sys.stderr.write(f"benchmarks.netem: timed out after {exc.timeout:g} s\n")
+            sys.stderr.write(f"{PROG}: timed out after {exc.timeout:g} s\n")
         else:
-            sys.stderr.write(f"benchmarks.netem: Horovod job timed out after {exc.timeout:g} s\n")
+            sys.stderr.write(f"{PROG}: Horovod job timed out after {exc.timeout:g} s\n")
         return 124
     except KeyboardInterrupt:
         return 130
