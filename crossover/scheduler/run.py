@@ -32,10 +32,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from crossover import procgroup
-from crossover.scheduler import paths, telemetry
+from crossover.scheduler import paths, settings, telemetry
 
 __all__ = ["main", "build_parser", "Job", "plan_jobs", "new_run_dir"]
 
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "computes (crossover scheduling).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     h = p.add_argument_group("horovodrun options (given once, passed to every job's horovodrun)")
-    h.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="ranks per job")
+    h.add_argument("-np", "--num-proc", dest="np", type=_int_in(1, 1 << 20), required=True, help="ranks per job")
     h.add_argument("-H", "--hosts", help="host1:slots,host2:slots (as horovodrun)")
     h.add_argument("--hostfile", "-hostfile", dest="hostfile", help="host file (as horovodrun)")
     ctl = h.add_mutually_exclusive_group()
@@ -97,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--mpi", action="store_true", help="use MPI")
     h.add_argument("--network-interfaces", "--network-interface", dest="network_interfaces",
                    help="network interfaces to use (as horovodrun)")
-    h.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
+    h.add_argument("-p", "--ssh-port", type=_int_in(1, 65535), help="ssh port of the remote hosts")
     h.add_argument("-i", "--ssh-identity-file", help="ssh identity file")
-    h.add_argument("--start-timeout", type=int, help="seconds to wait for all ranks to start")
+    h.add_argument("--start-timeout", type=_int_in(1, 86400), help="seconds to wait for all ranks to start")
     h.add_argument("--disable-cache", action="store_true", help="do not cache horovodrun's host checks")
     h.add_argument("--tcp", action="store_true", help="TCP only (as horovodrun)")
     h.add_argument("--log-level", help="Horovod log level (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL)")
-    h.add_argument("--cycle-time-ms", type=float,
+    h.add_argument("--cycle-time-ms", type=settings.CYCLE_TIME_MS.arg_type(),
                    help="Horovod cycle time; on CPU devices 5 keeps idle ranks from using half a core each")
     h.add_argument("--verbose", action="store_true", help="verbose horovodrun output")
     h.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
@@ -116,21 +116,28 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--names", help="comma-separated job names (default job0,job1,...); the same on every host")
     x.add_argument("--weights", help="comma-separated job weights (default 1 each): a job of weight 2 gets "
                                      "two turns per turn of a weight-1 job when they compete")
-    x.add_argument("--lease", type=float, help="seconds a waiting job waits at most for a turn to end "
-                                               "(daemon default 10)")
-    x.add_argument("--align-ms", type=float, help="ms an idle device is held for the job due next (default 2)")
+    x.add_argument("--lease", type=settings.LEASE_S.arg_type(),
+                   help="seconds a waiting job waits at most for a turn to end (daemon default 10; "
+                        f"{settings.LEASE_S.range_text()})")
+    x.add_argument("--align-ms", type=settings.ALIGN_MS.arg_type(),
+                   help=f"ms an idle device is held for the job due next (default 2; {settings.ALIGN_MS.range_text()})")
     x.add_argument("--device", help="device id for every rank (default: CUDA device, cpuN if pinned, else cpu)")
     x.add_argument("--sched-dir", help="scheduler directory on every host ({host}, {uid} are expanded)")
     x.add_argument("--telemetry-dir", help="telemetry goes to a new sub-directory run-DATE-TIME-PID of this folder "
                                           "(default: a new temporary folder)")
     x.add_argument("--timeline", help="write the merged Chrome trace here (default: TELEMETRY_DIR/timeline.json)")
     x.add_argument("--no-summary", action="store_true", help="do not print the telemetry summary")
-    x.add_argument("--grace", type=float, default=10.0,
+    x.add_argument("--grace", type=settings.GRACE_S.arg_type(), default=10.0,
                    help="seconds between SIGTERM and SIGKILL when stopping jobs (default %(default)s)")
     x.add_argument("--python", default=sys.executable, help="interpreter for the jobs (default: %(default)s)")
     x.add_argument("--horovodrun", default=None, help="horovodrun executable (default: next to --python)")
     p.add_argument("job", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, hi]``."""
+    return lambda text: int(settings.Setting("", lo, hi, integer=True).arg_type()(text))
 
 
 def _split(argv: Sequence[str]) -> list[list[str]]:
@@ -178,16 +185,16 @@ def _job_command(tokens: list[str], index: int, python: str, crossover: bool) ->
     return [python, *wrapper, *tokens]
 
 
-def _float_list(text: str | None, n: int, what: str) -> list[float]:
+def _weights(text: str | None, n: int) -> list[float]:
     if text is None:
         return [1.0] * n
+    parts = text.split(",")
+    if len(parts) != n:
+        raise UsageError(f"--weights: need {n} comma-separated numbers (one per job), got {text!r}")
     try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--{what}: not a list of numbers: {text!r}") from None
-    if len(values) != n or any(not 0 < v <= 1000 for v in values):
-        raise UsageError(f"--{what}: need {n} numbers in (0, 1000], got {text!r}")
-    return values
+        return [settings.WEIGHT.parse(x, "--weights") for x in parts]
+    except settings.SettingError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def plan_jobs(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
@@ -206,9 +213,7 @@ def plan_jobs(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
         names = args.names.split(",") if args.names else [f"job{i}" for i in range(n)]
         if len(names) != n or len(set(names)) != n or not all(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", x) for x in names):
             raise UsageError(f"--names: need {n} distinct names of letters, digits, _ . -")
-        weights = _float_list(args.weights, n, "weights")
-        if args.lease is not None and args.lease <= 0:
-            raise UsageError("--lease must be > 0")
+        weights = _weights(args.weights, n)
         crossover = not args.no_crossover
         horovodrun = args.horovodrun or _default_horovodrun(args.python)
         hvd_args = _horovodrun_args(args)
@@ -224,6 +229,10 @@ def plan_jobs(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
                         env[var] = str(value)
             else:
                 env["CROSSOVER_SCHED"] = "0"
+            try:  # what every rank (and a daemon it starts) reads: refused now, not by each rank later
+                settings.check_env({**settings.DAEMON_ENV, **settings.WORKER_ENV}, {**os.environ, **env})
+            except settings.SettingError as exc:
+                raise UsageError(f"{exc} (environment variable)") from None
             jobs.append(Job(name, list(tokens), [horovodrun, *hvd_args, *cmd], env))
     except UsageError as exc:
         parser.error(str(exc))
