@@ -151,7 +151,7 @@ def enable(job: str | None = None, member: str | None = None, device: str | None
                 return None
             try:
                 return Recorder(telemetry_dir, job, member, host, dev)
-            except OSError as exc:
+            except (OSError, paths.SchedulerDirError) as exc:
                 log.warning("crossover telemetry disabled: %s", exc)
                 return None
 

@@ -709,3 +709,108 @@ def test_the_daemon_runs_on_every_allowed_cpu_whoever_started_it(sched_dir: str)
                        timeout=60, check=True)
     pid = int(r.stdout.strip())
     assert os.sched_getaffinity(pid) == allowed
+
+
+# --------------------------------------------------------------------------- 8. paths swapped while a run goes on
+
+OTHER_UID = 4242  # stands for another user: the owner of the planted links (os.lchown), no account needed
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A shared, sticky folder like /tmp, removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="xo-sh-", dir="/tmp"))
+    d.chmod(0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _planted_link(link: Path, target: Path) -> None:
+    os.symlink(target, link)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+
+
+def test_a_telemetry_dir_through_another_users_link_is_refused(fake_run: Path, shared: Path, tmp_path: Path) -> None:
+    """--telemetry-dir through a link another user made in a sticky folder: the old owner check resolved the
+    real path first (root's folder: fine) and never saw the link, which its owner can re-point at any time."""
+    target = tmp_path / "roots-folder"
+    target.mkdir()
+    _planted_link(shared / "tel", target)
+    proc = _crossover_run(fake_run, "--telemetry-dir", str(shared / "tel"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert f"symbolic link that belongs to uid {OTHER_UID}" in err and str(shared / "tel") in err
+    assert list(target.iterdir()) == []
+
+
+def test_a_timeline_link_swapped_mid_run_never_redirects_the_report(fake_run: Path, shared: Path,
+                                                                      tmp_path: Path) -> None:
+    """--timeline LINK/timeline.json, LINK another user's: it pointed at a harmless folder when the run
+    started and at a folder with root's timeline.json by the end; the report overwrote root's file. Now
+    the folder is opened and checked at start: refused, and nothing is written."""
+    harmless, precious = tmp_path / "harmless", tmp_path / "precious"
+    harmless.mkdir()
+    precious.mkdir()
+    (precious / "timeline.json").write_text("root's data\n")
+    link = shared / "out"
+    _planted_link(link, harmless)
+    swap = fake_run / "horovodrun-swap"
+    swap.write_text((fake_run / "horovodrun").read_text() + textwrap.dedent(f"""
+        os.unlink({str(link)!r})  # the other user re-points the link while the job runs
+        os.symlink({str(precious)!r}, {str(link)!r})
+        os.lchown({str(link)!r}, {OTHER_UID}, {OTHER_UID})
+    """))
+    swap.chmod(0o755)
+    proc = subprocess.Popen(RUN + ["--horovodrun", str(swap), "-np", "1", "--telemetry-dir", str(fake_run / "tel"),
+                                   "--timeline", str(link / "timeline.json"), "job.py"], env=ENV, cwd=str(fake_run),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert (precious / "timeline.json").read_text() == "root's data\n"
+    assert proc.returncode == 2, out + err
+    assert f"belongs to uid {OTHER_UID}" in err
+    assert list(harmless.iterdir()) == []
+
+
+def test_the_daemon_trace_never_goes_through_another_users_link(sched_dir: str, shared: Path,
+                                                                tmp_path: Path) -> None:
+    target = tmp_path / "roots-folder"
+    target.mkdir()
+    _planted_link(shared / "trace", target)
+    r = subprocess.run([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", sched_dir, "--idle-exit", "1"],
+                       env={**ENV, "CROSSOVER_SCHED_TRACE": str(shared / "trace" / "events.jsonl")},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"belongs to uid {OTHER_UID}" in r.stderr
+    assert list(target.iterdir()) == []
+
+
+def test_a_worker_never_writes_telemetry_through_another_users_link(shared: Path, tmp_path: Path) -> None:
+    from crossover.scheduler.telemetry import Recorder
+
+    target = tmp_path / "roots-folder"
+    target.mkdir()
+    _planted_link(shared / "tel", target)
+    with pytest.raises(paths.SchedulerDirError, match=f"belongs to uid {OTHER_UID}"):
+        Recorder(str(shared / "tel"), "j", "r0", "h", "cpu0")
+    assert list(target.iterdir()) == []
+
+
+def test_run_files_are_private_and_the_temporary_folder_is_removed(fake_run: Path) -> None:
+    """Telemetry was world-readable (0644 files in a 0755 folder) and /tmp/crossover-run-* folders stayed."""
+    proc = _crossover_run(fake_run, "--telemetry-dir", str(fake_run / "tel"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    (run,) = (fake_run / "tel").iterdir()
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    files = list(run.iterdir())
+    assert {p.suffix for p in files} == {".jsonl", ".json"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [(p.name, oct(p.stat().st_mode)) for p in files]
+
+    proc = _crossover_run(fake_run)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    tmp = re.search(r"telemetry in (\S+)", out).group(1)  # type: ignore[union-attr]
+    assert os.path.basename(tmp).startswith("crossover-run-") and not os.path.exists(tmp)
+    assert "busy" in out  # the summary was printed before the folder went

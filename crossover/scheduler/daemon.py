@@ -26,7 +26,8 @@ rate-limited: a burst, then about one line per second, then a count of what was 
 
 Files: the lock and the trace are opened with :func:`crossover.scheduler.paths.open_own_file` (never
 through a symbolic link, only a plain file of ours with one link), as is the log by a worker that starts
-the daemon.
+the daemon; the trace's folder is opened with :func:`crossover.scheduler.paths.open_dir` (no symbolic link
+of another user on the way, no folder others may write to unless sticky).
 
 ``--trace FILE`` (or ``$CROSSOVER_SCHED_TRACE``) appends one JSON line per scheduling event (turn
 start / join / leave / end, lease expiry, connect / disconnect) with the wall-clock time ``t``.
@@ -234,7 +235,7 @@ class Daemon:
         if self.trace_path:
             # line-buffered: every event is on disk before the grant it announces is sent, even if the
             # daemon is killed right after (tests and post-mortems rely on it; off unless asked for)
-            tfd = paths.open_own_file(self.trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            tfd = paths.open_in_dir(self.trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "trace file")
             self._trace = os.fdopen(tfd, "a", buffering=1, encoding="utf-8")
         self._trace_event({"ev": "daemon_start", "lease_s": self.sched.lease_s, "align_s": self.sched.align_s})
         log.info("crossover scheduler daemon %d serving %s (lease %.3g s, align %.3g ms, idle exit %.3g s, "

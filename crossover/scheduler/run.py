@@ -28,16 +28,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Sequence
 
 from crossover import procgroup
-from crossover.scheduler import paths, settings, telemetry
+from crossover.scheduler import outputs, paths, settings, telemetry
 
-__all__ = ["main", "build_parser", "Job", "plan_jobs", "new_run_dir"]
+__all__ = ["main", "build_parser", "Job", "plan_jobs"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PYTHON_RE = re.compile(r"^python[0-9.]*$")
@@ -321,50 +320,26 @@ def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
     return None
 
 
-def new_run_dir(base: str) -> str:
-    """Create this run's own telemetry directory ``base/run-<date>-<time>-<pid>`` and return its path.
-
-    ``base`` is created if missing; it must be trusted (:func:`crossover.scheduler.paths.check_trusted`:
-    ours or root's, not writable by others unless sticky, the same for its ancestors), else
-    :class:`~crossover.scheduler.paths.SchedulerDirError`. The sub-directory is new (``mkdir`` fails on
-    anything that exists), so nothing of another run or user is in it.
-    """
-    base = os.path.abspath(base)
-    try:
-        os.makedirs(base, exist_ok=True)
-    except OSError as exc:
-        raise paths.SchedulerDirError(f"cannot create the telemetry directory {base}: {exc}") from None
-    paths.check_trusted(base, "--telemetry-dir")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        run_dir = os.path.join(os.path.realpath(base), f"run-{stamp}-{os.getpid()}" + (f"-{n}" if n else ""))
-        try:
-            os.mkdir(run_dir, 0o755)
-            return run_dir
-        except FileExistsError:
-            continue
-    raise paths.SchedulerDirError(f"cannot create a new run directory in {base}")
-
-
-def _write_report(path: str, text: str) -> None:
-    """Write one report file: never through a symbolic link, never into another user's file."""
-    fd = paths.open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def _report(args: argparse.Namespace, jobs: list[Job], telemetry_dir: str) -> None:
-    streams = telemetry.load(telemetry_dir) if os.path.isdir(telemetry_dir) else []
+def _report(args: argparse.Namespace, run_dir: outputs.RunDir, timeline: outputs.OutputFile | None) -> None:
+    streams = telemetry.load(run_dir.path, dir_fd=run_dir.fd)
     if not streams:
-        sys.stdout.write(f"crossover-run: no telemetry in {telemetry_dir}\n")
+        sys.stdout.write(f"crossover-run: no telemetry in {run_dir.path}\n")
         return
-    timeline = args.timeline or os.path.join(telemetry_dir, "timeline.json")
-    _write_report(timeline, json.dumps(telemetry.chrome_trace(streams)))
+    trace = json.dumps(telemetry.chrome_trace(streams)).encode()
+    if timeline is not None:
+        timeline.write(trace)
+        timeline_path = timeline.path
+    else:
+        timeline_path = run_dir.write("timeline.json", trace)
     summary = telemetry.summarize(streams)
-    _write_report(os.path.join(telemetry_dir, "summary.json"), json.dumps(summary, indent=1))
+    run_dir.write("summary.json", json.dumps(summary, indent=1).encode())
     if not args.no_summary:
         sys.stdout.write("\n" + telemetry.format_summary(summary) + "\n")
-    sys.stdout.write(f"crossover-run: timeline (Chrome trace) {timeline}\n")
+    if run_dir.temporary:
+        kept = f"; timeline (Chrome trace) {timeline_path}" if timeline is not None else ""
+        sys.stdout.write(f"crossover-run: telemetry removed at exit (--telemetry-dir DIR keeps it){kept}\n")
+    else:
+        sys.stdout.write(f"crossover-run: timeline (Chrome trace) {timeline_path}\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,28 +348,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, jobs = plan_jobs(argv, parser)
     crossover = not args.no_crossover
-    telemetry_dir = ""
-    if crossover:
-        if args.dry_run:
-            telemetry_dir = (os.path.join(os.path.abspath(args.telemetry_dir), "run-DATE-TIME-PID")
-                             if args.telemetry_dir else "<temporary folder>")
-        elif args.telemetry_dir:
-            try:
-                telemetry_dir = new_run_dir(args.telemetry_dir)
-            except paths.SchedulerDirError as exc:
-                parser.error(str(exc))
-        else:
-            telemetry_dir = tempfile.mkdtemp(prefix="crossover-run-")
-        for j in jobs:
-            j.env["CROSSOVER_TELEMETRY_DIR"] = telemetry_dir
     if args.dry_run:
+        telemetry_dir = (os.path.join(os.path.abspath(args.telemetry_dir), "run-DATE-TIME-PID")
+                         if args.telemetry_dir else "<temporary folder>")
         for j in jobs:
+            if crossover:
+                j.env["CROSSOVER_TELEMETRY_DIR"] = telemetry_dir
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(j.env.items()))
             sys.stdout.write(f"{j.name}: {env} {shlex.join(j.argv)}\n")
         return 0
+    run_dir: outputs.RunDir | None = None
+    timeline: outputs.OutputFile | None = None
     if crossover:
-        sys.stdout.write(f"crossover-run: telemetry in {telemetry_dir}\n")
+        try:  # every folder written to is opened (and checked) now, before any job starts
+            run_dir = outputs.RunDir.new(args.telemetry_dir)
+            if args.timeline:
+                timeline = outputs.OutputFile(args.timeline, "--timeline")
+        except paths.SchedulerDirError as exc:
+            if run_dir is not None:
+                run_dir.remove()
+                run_dir.close()
+            parser.error(str(exc))
+        for j in jobs:
+            j.env["CROSSOVER_TELEMETRY_DIR"] = run_dir.path
+        sys.stdout.write(f"crossover-run: telemetry in {run_dir.path}\n")
         sys.stdout.flush()
+    try:
+        return _run_and_report(args, jobs, run_dir, timeline)
+    finally:
+        if timeline is not None:
+            timeline.close()
+        if run_dir is not None:
+            run_dir.remove()  # a temporary folder only; --telemetry-dir's run directory stays
+            run_dir.close()
+
+
+def _run_and_report(args: argparse.Namespace, jobs: list[Job], run_dir: outputs.RunDir | None,
+                    timeline: outputs.OutputFile | None) -> int:
+    """Run the jobs, then report from their telemetry; the exit status."""
     # Explicit handlers: a process started in the background by a non-interactive shell inherits SIGINT
     # ignored, and Python then never raises KeyboardInterrupt; `kill -INT` must still stop every job.
     old = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -406,9 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, old_int)
     if interrupted is not None:
         return interrupted
-    if crossover:
+    if run_dir is not None:
         try:
-            _report(args, jobs, telemetry_dir)
+            _report(args, run_dir, timeline)
         except (OSError, ValueError, KeyError, paths.SchedulerDirError) as exc:
             sys.stdout.write(f"crossover-run: could not summarize telemetry: {exc}\n")
     codes = {j.name: j.returncode for j in jobs}
