@@ -414,7 +414,7 @@ def test_two_runs_sharing_a_telemetry_dir_stay_apart(fake_run: Path) -> None:
     assert announced == {str(r) for r in runs}
     for r in runs:
         summary = json.loads((r / "summary.json").read_text())
-        assert {j: v["workers"] for j, v in summary["jobs"].items()} == {"job0": 1, "job1": 1}
+        assert {j: v["workers"] for j, v in summary["jobs"].items()} == {"job-1": 1, "job-2": 1}
         trace = json.loads((r / "timeline.json").read_text())
         assert len({e["pid"] for e in trace["traceEvents"]}) == 2
 

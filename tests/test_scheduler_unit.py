@@ -299,14 +299,53 @@ def test_plan_jobs(tmp_path) -> None:
     b.write_text("")
     args, jobs = run.plan_jobs(["-np", "2", "-H", "h1:1,h2:1", "--gloo", str(a), "--lr", "0.1", "--",
                                 str(b), "--epochs", "5", "--", "-m", "pkg.mod", "-x"])
-    assert [j.name for j in jobs] == ["job0", "job1", "job2"]
+    assert [j.name for j in jobs] == ["a", "b", "pkg.mod"]  # named after their scripts
     hvd = jobs[0].argv[:6]
     assert hvd[1:] == ["-np", "2", "-H", "h1:1,h2:1", "--gloo"]
     assert jobs[0].argv[6:] == [jobs[0].argv[6], "-m", "horovod_ext.launch", str(a), "--lr", "0.1"]
     assert jobs[2].argv[-5:] == ["-m", "horovod_ext.launch", "-m", "pkg.mod", "-x"]
-    assert jobs[1].env["CROSSOVER_JOB"] == "job1" and jobs[1].env["CROSSOVER_SCHED"] == "1"
+    assert jobs[1].env["CROSSOVER_JOB"] == "b" and jobs[1].env["CROSSOVER_SCHED"] == "1"
     _, plain = run.plan_jobs(["-np", "2", "--no-crossover", str(a)])
     assert "horovod_ext.launch" not in plain[0].argv and plain[0].env["CROSSOVER_SCHED"] == "0"
+
+
+def test_plan_the_bare_form(tmp_path, monkeypatch) -> None:
+    """`crossover-run job1.py job2.py` (the project's usage line): each .py argument is a job, -np defaults."""
+    from crossover.scheduler import plan
+
+    for name in ("job1.py", "job2.py", "cfg.py"):
+        (tmp_path / name).write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan, "default_np", lambda: (1, "1 rank per job (no CUDA device found)"))
+    args, jobs = run.plan_jobs(["job1.py", "job2.py"])
+    assert [j.name for j in jobs] == ["job1", "job2"] and args.np == 1 and "no CUDA" in args.np_reason
+    assert [j.user_cmd for j in jobs] == [["job1.py"], ["job2.py"]]
+    assert jobs[0].argv[1:3] == ["-np", "1"] and jobs[0].argv[-3:] == ["-m", "horovod_ext.launch", "job1.py"]
+    assert jobs[0].argv[3] == jobs[1].argv[3]  # the same python for both
+    args, jobs = run.plan_jobs(["-np", "3", "job1.py", "--lr", "0.1", "--config", "cfg.py", "job1.py", "--seed", "2"])
+    assert [j.user_cmd for j in jobs] == [["job1.py", "--lr", "0.1", "--config", "cfg.py"], ["job1.py", "--seed", "2"]]
+    assert [j.name for j in jobs] == ["job1-1", "job1-2"] and args.np == 3 and args.np_reason == "given"
+
+
+def test_split_bare_and_job_names() -> None:
+    from crossover.scheduler.plan import job_names, split_bare
+
+    assert split_bare(["a.py", "b.py", "python3", "c.py", "-x", "1", "d.py", "--opt", "e.py"]) == [
+        ["a.py"], ["b.py"], ["python3", "c.py", "-x", "1"], ["d.py", "--opt", "e.py"]]
+    assert job_names([["t.py"], ["x/t.py"], ["-m", "pkg.mod"], ["python3", "u v.py"], ["t-1.py"]]) == [
+        "t-1", "t-2", "pkg.mod", "u_v", "t-1-1"]
+
+
+def test_default_np_says_what_it_chose(monkeypatch) -> None:
+    import torch
+
+    from crossover.scheduler.plan import default_np
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert default_np() == (4, "4 rank(s) per job, one per local GPU (torch.cuda.device_count())")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_np() == (1, "1 rank per job (no CUDA device found)")
 
 
 @pytest.mark.parametrize("argv", [[], ["-np", "2"], ["-np", "2", "--bogus", "a.py"], ["-np", "2", "missing.py"],

@@ -21,6 +21,7 @@ is added to the name if that one exists):
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from typing import Any, Iterable
 from crossover.scheduler import paths
 
 __all__ = ["Recorder", "Stream", "load", "chrome_trace", "summarize", "format_summary", "merge_intervals",
-           "intersect_length", "SPAN_NAMES"]
+           "intersect_length", "step_figures", "SPAN_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +274,51 @@ def summarize(streams: list[Stream]) -> dict[str, Any]:
                         "overlap": hidden / comm_total if comm_total > 0 else 0.0,
                         "compute_collision_s": collide}
     return {"jobs": jobs, "devices": devices}
+
+
+def _clip(ivs: list[Interval], ends: list[float], lo: float, hi: float) -> list[Interval]:
+    """The parts of the merged, sorted intervals ``ivs`` (``ends``: their ends) inside ``[lo, hi]``."""
+    out = []
+    for a, b in ivs[bisect.bisect_right(ends, lo):]:
+        if a >= hi:
+            break
+        if b > lo:
+            out.append((max(a, lo), min(b, hi)))
+    return out
+
+
+def step_figures(streams: list[Stream]) -> dict[str, list[dict[str, float]]]:
+    """Per job and step (from the job's worker with the most steps, on its device): ``step``, ``t`` (its end),
+    ``step_s``, ``compute_s``, ``wait_for_turn_s``, ``comm_wait_s``, ``busy`` (share of the step during which
+    some job computed on the device) and ``overlap`` (share of the job's communication wait in the step
+    during which another job computed on the device; 0 without a wait)."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for job in sorted({s.job for s in streams}):
+        ref = max((s for s in streams if s.job == job), key=lambda s: (len(s.steps), s.member))
+        on_dev = [s for s in streams if s.device_key == ref.device_key]
+        busy = merge_intervals(iv for s in on_dev for iv in s.spans["compute"])
+        others = merge_intervals(iv for s in on_dev if s.job != job for iv in s.spans["compute"])
+        comm = merge_intervals(ref.spans["wait_comm"])
+        ends = {id(x): [b for _, b in x] for x in (busy, others, comm)}
+        first = min((a for ivs in ref.spans.values() for a, _ in ivs), default=None)
+        rows = []
+        prev = first
+        for st in ref.steps:
+            t = float(st["t"])
+            lo = t - (st["compute"] + st["wait_device"] + st["wait_comm"]) if prev is None else prev
+            prev = t
+            length = t - lo
+            if length <= 0:
+                continue
+            waits = _clip(comm, ends[id(comm)], lo, t)
+            wait_len = _length(waits)
+            rows.append({"step": int(st["step"]), "t": t, "step_s": length, "compute_s": float(st["compute"]),
+                         "wait_for_turn_s": float(st["wait_device"]), "comm_wait_s": float(st["wait_comm"]),
+                         "busy": min(1.0, _length(_clip(busy, ends[id(busy)], lo, t)) / length),
+                         "overlap": (intersect_length(waits, _clip(others, ends[id(others)], lo, t)) / wait_len
+                                     if wait_len > 0 else 0.0)})
+        out[job] = rows
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
