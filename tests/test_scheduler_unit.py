@@ -290,6 +290,63 @@ def test_summary_and_trace(tmp_path) -> None:
     assert "A" in telemetry.format_summary(s)
 
 
+def _alternating(tmp_path, steps: int = 8) -> list:
+    """Jobs A and B on h/cpu0: each computes 1 s then communicates 1 s, B one second behind A."""
+    for job, offset in (("A", 0.0), ("B", 1.0)):
+        r = telemetry.Recorder(str(tmp_path), job, "rank0", "h", "cpu0")
+        for k in range(steps):
+            t = 100 + offset + 2 * k
+            r.span("compute", t, t + 1)
+            r.span("wait_comm", t + 1, t + 2)
+            r.step(k, t + 2, 1.0, 0.0, 1.0)
+        r.close()
+    return telemetry.load(str(tmp_path))
+
+
+def test_step_figures(tmp_path) -> None:
+    rows = telemetry.step_figures(_alternating(tmp_path))
+    assert [r["step"] for r in rows["A"]] == list(range(8))
+    later = rows["A"][1:-1]  # both jobs running: the device always busy, A's waits fully hidden behind B
+    assert all(r["busy"] == pytest.approx(1.0) and r["overlap"] == pytest.approx(1.0) for r in later), later
+    assert rows["A"][0]["step_s"] == pytest.approx(2.0) and rows["A"][0]["wait_for_turn_s"] == 0.0
+    assert rows["B"][-1]["overlap"] == pytest.approx(0.0)  # A has finished: nobody computes during B's last wait
+
+
+def test_plot_timeline(tmp_path) -> None:
+    from crossover.scheduler import plot
+
+    streams = _alternating(tmp_path / "tel", steps=12)
+    out = tmp_path / "turns.png"
+    drawn = plot.plot_timeline(streams, str(out))
+    assert out.read_bytes()[:4] == b"\x89PNG" and drawn["devices"] == ["h/cpu0"] and drawn["jobs"] == ["A", "B"]
+    t0, t1 = drawn["window"]
+    assert t0 == pytest.approx(100 + 1 + 2 * 3 + 2) and t1 - t0 == pytest.approx(12.0)  # 6 steps after 3
+
+
+def test_telemetry_tail_follows_growing_files(tmp_path) -> None:
+    from crossover.scheduler.progress import TelemetryTail, format_jobs
+
+    r = telemetry.Recorder(str(tmp_path), "A", "rank0", "h", "cpu0")
+    os.symlink("/etc/passwd", tmp_path / "planted.jsonl")  # never followed
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    tail = TelemetryTail(fd)
+    try:
+        assert tail.poll() == {}  # the meta line is not flushed before the first step
+        for k in range(3):
+            r.span("compute", 10 + k, 10.5 + k)
+            r.step(k, 11 + k, 0.5, 0.0, 0.5)
+        got = tail.poll()["A"]
+        assert (got.steps, got.turns, got.steps_per_s) == (3, 3, pytest.approx(1.0))
+        r.span("compute", 13, 13.5)
+        r.step(3, 13.25, 0.5, 0.0, 0.0)
+        assert tail.poll()["A"].steps == 4
+        assert format_jobs({"A": tail.poll()["A"], "B": "starting"}) == "A: step 4, 4 turns, 1.33 steps/s; B: starting"
+    finally:
+        tail.close()
+        os.close(fd)
+        r.close()
+
+
 # --------------------------------------------------------------------------- crossover-run planning
 
 
