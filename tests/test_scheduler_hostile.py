@@ -1,9 +1,11 @@
-"""The scheduler against a hostile local user, descriptor exhaustion and a hung daemon (issue 15).
+"""The scheduler against a hostile local user, descriptor exhaustion and a hung daemon (issue 15), and
+against parseable-but-hostile values, stalled clients and paths swapped mid-run (issue 27).
 
 Real processes throughout: the daemon, clients, ``crossover-run`` (with a stand-in ``horovodrun`` that
 writes one rank's telemetry, so no Horovod start-up) and, when the tests run as root, a second Unix user
 created for the test (``useradd``) that plays the attacker; without root those tests are skipped with
-that reason. About 20 seconds in all (18 s measured on the shared 2-core machine).
+that reason. Links "of another user" are made by root and handed to an unused uid with ``os.lchown``.
+About 40 seconds in all (41 s measured on the shared 2-core machine).
 """
 
 from __future__ import annotations
