@@ -47,6 +47,10 @@ BAD_BODIES = [
     b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 0, "pid": 1}',
     b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 1e400, "pid": 1}',
     b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": Infinity, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 1' + b"0" * 399 + b', "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 5e-324, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 0.0009, "pid": 1}',
+    b'{"op": "ping", "id": 1' + b"0" * 4000 + b"}",
     b"\xff\xfe{}", b"[" * 3000 + b"]" * 3000, b'{"op": "acquire", "id": 1, "dev": "c", "seq": null}',
 ]
 
@@ -55,6 +59,21 @@ BAD_BODIES = [
 def test_rejects_invalid_messages(body: bytes) -> None:
     with pytest.raises(ProtocolError):
         Decoder(CLIENT_OPS).feed(frame(body))
+
+
+def test_encode_refuses_non_finite_numbers() -> None:
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode({"op": "status", "id": 1, "state": {"vtime": float("inf")}})
+
+
+def test_scheduler_refuses_non_finite_settings_and_weights() -> None:
+    for kw in ({"lease_s": float("inf")}, {"lease_s": float("nan")}, {"align_s": float("inf")}, {"align_s": -1.0}):
+        with pytest.raises(ValueError):
+            Scheduler(**kw)  # type: ignore[arg-type]
+    s = Scheduler()
+    with pytest.raises(StateError, match="between 0.001 and 1000"):
+        s.hello(1, "A", "a0", 5e-324, 1)
+    s.check()
 
 
 def test_rejects_bad_lengths() -> None:
