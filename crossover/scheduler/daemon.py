@@ -416,7 +416,8 @@ class Daemon:
             self._close(c, None)
             return
         try:
-            for msg in c.decoder.feed(data):
+            msgs = c.decoder.feed(data)
+            for msg in msgs:
                 self._handle(c, msg)
                 if c.cid not in self._clients:
                     return
@@ -429,16 +430,17 @@ class Daemon:
             self._close(c, f"internal error: {type(exc).__name__}")
             self._check_state(f"an unexpected {type(exc).__name__} on connection {c.cid}")
             return
-        self._note_partial(c)
+        self._note_partial(c, bool(msgs))
 
-    def _note_partial(self, c: _Client) -> None:
-        """Start (or stop) the clock of a connection that has sent part of a frame."""
-        if c.decoder.pending:
-            if c.cid not in self._partial:
-                c.read_deadline = time.monotonic() + self.read_timeout_s
-                self._partial[c.cid] = c
-        elif c.cid in self._partial:
-            del self._partial[c.cid]
+    def _note_partial(self, c: _Client, progressed: bool) -> None:
+        """Start (or stop) the clock of a connection that holds part of a frame; a connection that completed a
+        message meanwhile gets a new clock (it is making progress)."""
+        if not c.decoder.pending:
+            self._partial.pop(c.cid, None)
+        elif c.cid not in self._partial or progressed:
+            self._partial.pop(c.cid, None)  # re-inserted last: the dict stays in deadline order
+            c.read_deadline = time.monotonic() + self.read_timeout_s
+            self._partial[c.cid] = c
 
     def _check_state(self, after: str) -> None:
         """After an unexpected error: go on only if the scheduler's state is still consistent, else stop (a bug
