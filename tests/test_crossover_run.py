@@ -299,8 +299,10 @@ def test_daemon_killed_mid_run_both_finish_and_a_new_one_takes_over(work: Path, 
                                                                     alone_sha: str) -> None:
     outs = [work / "d0", work / "d1"]
     log = work / "kill-daemon.log"
-    proc = _start([*HVD, "--sched-dir", str(sched), "job.py", "--out", str(outs[0]), "--sleep", "0.08", "--",
-                   "job.py", "--out", str(outs[1]), "--sleep", "0.08"], _env(sched), log)
+    # 0.2 s of "compute" per step: after the kill, each job has several seconds of steps left, so that a new
+    # daemon (started and re-attached to at most every second) is up before either job ends, even on a busy host
+    proc = _start([*HVD, "--sched-dir", str(sched), "job.py", "--out", str(outs[0]), "--sleep", "0.2", "--",
+                   "job.py", "--out", str(outs[1]), "--sleep", "0.2"], _env(sched), log)
     try:
         _until(lambda: _progress(outs[0]) >= 5 and _progress(outs[1]) >= 5, 180, "both jobs running", log)
         first = _daemon_pid(sched)
