@@ -173,12 +173,14 @@ def rate_in(ends: list[float], lo: float, hi: float) -> float:
 def round_trip(cycles: int, pin: bool) -> dict[str, float]:
     """Acquire/release round trip in a helper process (pinned to core 0, or not) against a daemon it starts.
 
-    The daemon keeps the affinity of the process that starts it, as it does when a pinned rank starts it.
+    Pinned, the daemon keeps the affinity of the process that starts it (``CROSSOVER_SCHED_KEEP_AFFINITY=1``), as
+    in the crossover runs below.
     """
     import subprocess
 
     argv = [sys.executable, __file__, "--rtt", "--rtt-cycles", str(cycles)] + (["--pin"] if pin else [])
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout
+    env = {**os.environ, "CROSSOVER_SCHED_KEEP_AFFINITY": "1" if pin else "0"}
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -228,8 +230,9 @@ def run_jobs(cluster: Any, args: argparse.Namespace, jobs: list[str], crossover:
         if args.cycle_time_ms is not None:  # the same Horovod setting for every mode
             env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
         if crossover:
+            # each emulated host's daemon stays on that host's core (the set-up measured in docs/scheduler.md)
             env.update(CROSSOVER_SCHED="1", CROSSOVER_JOB=name, CROSSOVER_SCHED_DIR=str(workdir / "sched" / "{host}"),
-                       CROSSOVER_TELEMETRY_DIR=str(workdir / "telemetry"))
+                       CROSSOVER_TELEMETRY_DIR=str(workdir / "telemetry"), CROSSOVER_SCHED_KEEP_AFFINITY="1")
         else:
             env["CROSSOVER_SCHED"] = "0"
         try:

@@ -187,13 +187,14 @@ def plot_run(results: dict[str, Any], out: Path) -> list[Path]:
     return files
 
 
-def plot_timeline(telemetry_dir: Path, png: Path, *, skip_steps: int = 3, steps: int = 8) -> dict[str, Any] | None:
-    """Draw the scheduler's per-worker timeline (compute / waiting for the device / waiting on communication).
+def plot_timeline(telemetry_dir: Path, png: Path, *, skip_steps: int = 3, steps: int = 6) -> dict[str, Any] | None:
+    """Draw the scheduler's turns (per device, one lane per job: compute, communication, waiting for a turn;
+    :func:`crossover.scheduler.plot.plot_timeline`) and write the Chrome trace beside the PNG.
 
     The window starts after ``skip_steps`` steps of the slowest worker and covers about ``steps`` step
     periods. Returns the telemetry summary (None when there is no telemetry).
     """
-    from crossover.scheduler import telemetry
+    from crossover.scheduler import plot, telemetry
 
     if not Path(telemetry_dir).is_dir():
         return None
@@ -201,31 +202,8 @@ def plot_timeline(telemetry_dir: Path, png: Path, *, skip_steps: int = 3, steps:
     if not streams:
         return None
     summary = telemetry.summarize(streams)
-    plt = _pyplot()
-    starts = [s.steps[min(skip_steps, len(s.steps) - 1)]["t"] for s in streams if s.steps]
-    periods = [j["step_s"] for j in summary["jobs"].values() if j["step_s"] > 0]
-    all_t = [t for s in streams for ivs in s.spans.values() for iv in ivs for t in iv]
-    t0 = max(starts) if starts else min(all_t)
-    t1 = t0 + (steps * max(periods) if periods else 2.0)
-    streams = sorted(streams, key=lambda s: (s.job, s.host, s.member))
-    colors = {"compute": "tab:blue", "wait_device": "tab:orange", "wait_comm": "tab:green"}
-    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(streams)))
-    for i, s in enumerate(streams):
-        for name, ivs in s.spans.items():
-            bars = [(a - t0, b - a) for a, b in ivs if b > t0 and a < t1]
-            if bars:
-                ax.broken_barh(bars, (i - 0.4, 0.8), color=colors.get(name, "grey"))
-    ax.set_yticks(range(len(streams)))
-    ax.set_yticklabels([f"{s.job} {s.member} ({s.dev})" for s in streams], fontsize=8)
-    ax.set_xlim(0, t1 - t0)
-    ax.set_xlabel("seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["compute (holds the device)", "waits for the device", "waits on communication"],
-              fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
-    fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    plot.plot_timeline(streams, str(png), window=plot.pick_window(streams, skip_steps, steps))
     (png.parent / "timeline.json").write_text(json.dumps(telemetry.chrome_trace(streams)))
     return summary
 

@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-from crossover.scheduler import paths
+from crossover.scheduler import paths, settings
 from crossover.scheduler.client import SchedulerClient
 from crossover.scheduler.telemetry import Recorder
 from crossover.scheduler.turns import DeviceTurns, cpu_device
@@ -60,6 +60,7 @@ _TRUE = ("1", "on", "true", "yes")
 _session: DeviceTurns | None = None
 _session_lock = threading.Lock()
 _patch = TorchPatch()  # Horovod's internals are touched in horovod_ext/_internals.py only
+_poll_max = 5e-4  # seconds; CROSSOVER_POLL_MS, read when the session is created
 _orig = _patch.orig  # Horovod's own synchronize / poll / optimizer __init__ / synchronize
 
 
@@ -112,18 +113,29 @@ def enable(job: str | None = None, member: str | None = None, device: str | None
     """Create this process's turn session explicitly (environment values fill what is not given).
 
     ``coordinate=False`` records telemetry without talking to a daemon. If the scheduler directory is
-    unusable, a warning is logged and the session runs uncoordinated.
+    unusable, a warning is logged and the session runs uncoordinated. A setting that is not a number in its
+    range (``weight``, ``CROSSOVER_JOB_WEIGHT``, ``CROSSOVER_HOLD_GRACE_MS``, ``CROSSOVER_POLL_MS`` and the
+    daemon's ``CROSSOVER_LEASE_S``, ``CROSSOVER_ALIGN_MS``, ``CROSSOVER_SCHED_IDLE_EXIT``,
+    ``CROSSOVER_SCHED_NICE``, which a daemon started by this worker would refuse) raises ValueError here.
     """
-    global _session
+    global _session, _poll_max
     with _session_lock:
         if _session is not None:
             return _session
+        try:
+            settings.check_env(settings.DAEMON_ENV)
+            if weight is None:
+                weight = settings.from_env("CROSSOVER_JOB_WEIGHT", settings.WEIGHT, 1.0)
+            weight = settings.WEIGHT.parse(weight, "weight")
+            if hold_grace_s is None:
+                hold_grace_s = settings.from_env("CROSSOVER_HOLD_GRACE_MS", settings.HOLD_GRACE_MS, 1.0) / 1e3
+            settings.HOLD_GRACE_MS.parse(hold_grace_s * 1e3, "hold_grace_s (in ms)")
+            _poll_max = settings.from_env("CROSSOVER_POLL_MS", settings.POLL_MS, 0.5) / 1e3
+        except settings.SettingError as exc:
+            raise ValueError(f"crossover scheduling: {exc}") from None
         job = job or os.environ.get("CROSSOVER_JOB") or _default_job()
         member = member or _default_member()
-        weight = weight if weight is not None else float(os.environ.get("CROSSOVER_JOB_WEIGHT") or 1.0)
         telemetry_dir = telemetry_dir or os.environ.get("CROSSOVER_TELEMETRY_DIR") or None
-        if hold_grace_s is None:
-            hold_grace_s = float(os.environ.get("CROSSOVER_HOLD_GRACE_MS") or 1.0) / 1e3
         client = None
         if coordinate:
             try:
@@ -139,7 +151,7 @@ def enable(job: str | None = None, member: str | None = None, device: str | None
                 return None
             try:
                 return Recorder(telemetry_dir, job, member, host, dev)
-            except OSError as exc:
+            except (OSError, paths.SchedulerDirError) as exc:
                 log.warning("crossover telemetry disabled: %s", exc)
                 return None
 
@@ -209,18 +221,11 @@ def _wait_quietly(handle: Any) -> Any:
     """
     if torch_handle_pending(handle):
         poll = _orig["poll"]
-        delay, top = 5e-5, _poll_max_s()
+        delay, top = 5e-5, _poll_max
         while not poll(handle):
             time.sleep(delay)
             delay = min(2 * delay, top)
     return _orig["sync"](handle)
-
-
-def _poll_max_s() -> float:
-    try:
-        return max(1e-5, float(os.environ.get("CROSSOVER_POLL_MS") or 0.5) / 1e3)
-    except ValueError:
-        return 5e-4
 
 
 def _wait_briefly(handle: int, grace: float) -> bool:

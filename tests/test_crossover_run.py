@@ -3,8 +3,10 @@
 Two 2-rank jobs under the scheduler train to exactly the weights they reach alone, and their compute
 turns on the shared device ("cpu") never overlap; a job killed with SIGKILL mid-run lets the other one
 finish; a daemon killed mid-run is replaced and both jobs finish; Ctrl-C stops everything; bad command
-lines are usage errors (exit 2). Each Horovod launch takes 10-40 s here (startup dominates), about
-2-3 minutes in all on an idle 2-core machine.
+lines are usage errors (exit 2); the bare form `crossover-run first.py second.py` runs two jobs named
+after their scripts, with progress lines, a turns plot and TensorBoard scalars read back with
+TensorBoard's reader; on a terminal the progress is one redrawn line. Each Horovod launch takes 10-40 s
+here (startup dominates), about 1.5-3 minutes in all on an idle 2-core machine (84 s measured).
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ def test_help_and_dry_run(work: Path) -> None:
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 2
-    assert "CROSSOVER_JOB=job0" in lines[0] and "horovodrun -np 2 -H h1:1,h2:1" in lines[0]
+    assert "CROSSOVER_JOB=job-1" in lines[0] and "horovodrun -np 2 -H h1:1,h2:1" in lines[0]
     assert lines[0].endswith("-m horovod_ext.launch job.py --lr 0.1")
     assert lines[1].endswith("-m horovod_ext.launch job.py --epochs 5")
 
@@ -232,7 +234,7 @@ def test_two_jobs_take_turns_and_match_running_alone(work: Path, sched: Path, al
     text = log.read_text()
     (tel,) = [p for p in tel.iterdir() if p.name.startswith("run-")]  # this run's own sub-directory
     assert f"telemetry in {tel}" in text
-    assert "[job0]" in text and "[job1]" in text and "busy" in text and (tel / "timeline.json").exists()
+    assert "[job-1]" in text and "[job-2]" in text and "busy" in text and (tel / "timeline.json").exists()
 
     # The daemon's log: turns on the device follow one another, never two at once, both jobs served.
     events = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
@@ -246,12 +248,12 @@ def test_two_jobs_take_turns_and_match_running_alone(work: Path, sched: Path, al
         elif e["ev"] == "end":
             assert open_turn.pop(e["dev"]) == e["job"]
         assert e.get("why") != "lease expired"
-    assert turns.count("job0") >= 20 and turns.count("job1") >= 20
+    assert turns.count("job-1") >= 20 and turns.count("job-2") >= 20
     # They alternate while both have steps to run (the jobs wait for each other after their first step:
     # one CI run, without that, saw 3 switches in 80 turns, one job having started far ahead); a job that
     # finishes first leaves the last turns to the other: count the switches where both had turns to come.
-    first = max(turns.index("job0"), turns.index("job1"))
-    last = min(len(turns) - 1 - turns[::-1].index(j) for j in ("job0", "job1"))
+    first = max(turns.index("job-1"), turns.index("job-2"))
+    last = min(len(turns) - 1 - turns[::-1].index(j) for j in ("job-1", "job-2"))
     both = turns[first:last + 1]
     switches = sum(a != b for a, b in zip(both, both[1:]))
     assert switches >= 20 and switches >= len(both) // 2, f"turns: {''.join(t[-1] for t in turns)}"
@@ -260,12 +262,12 @@ def test_two_jobs_take_turns_and_match_running_alone(work: Path, sched: Path, al
     streams = telemetry.load(str(tel))
     assert len(streams) == 4 and {s.device_key for s in streams} == {"localhost/cpu"}
     compute = {j: telemetry.merge_intervals(iv for s in streams if s.job == j for iv in s.spans["compute"])
-               for j in ("job0", "job1")}
+               for j in ("job-1", "job-2")}
     assert sum(len(v) for v in compute.values()) >= 40
-    assert telemetry.intersect_length(compute["job0"], compute["job1"]) == 0.0
+    assert telemetry.intersect_length(compute["job-1"], compute["job-2"]) == 0.0
     summary = json.loads((tel / "summary.json").read_text())
     assert summary["devices"]["localhost/cpu"]["compute_collision_s"] == 0.0
-    assert summary["jobs"]["job0"]["steps"] == 40
+    assert summary["jobs"]["job-1"]["steps"] == 40
 
 
 def test_sigkill_one_job_the_other_finishes(work: Path, sched: Path, alone_sha: str) -> None:
@@ -287,7 +289,7 @@ def test_sigkill_one_job_the_other_finishes(work: Path, sched: Path, alone_sha: 
     assert _progress(outs[1]) > before
     assert _result(outs[1]) == alone_sha and not (outs[0] / "result.rank0.json").exists()
     text = log.read_text()
-    assert "job1 exited with 0" in text and "job0=0" not in text
+    assert "job-2 exited with 0" in text and "job-1=0" not in text
     # the killed job's turn ended when its sockets closed, not by the 60 s lease
     events = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
     assert not any(e.get("why") == "lease expired" for e in events)
@@ -297,8 +299,10 @@ def test_daemon_killed_mid_run_both_finish_and_a_new_one_takes_over(work: Path, 
                                                                     alone_sha: str) -> None:
     outs = [work / "d0", work / "d1"]
     log = work / "kill-daemon.log"
-    proc = _start([*HVD, "--sched-dir", str(sched), "job.py", "--out", str(outs[0]), "--sleep", "0.08", "--",
-                   "job.py", "--out", str(outs[1]), "--sleep", "0.08"], _env(sched), log)
+    # 0.2 s of "compute" per step: after the kill, each job has several seconds of steps left, so that a new
+    # daemon (started and re-attached to at most every second) is up before either job ends, even on a busy host
+    proc = _start([*HVD, "--sched-dir", str(sched), "job.py", "--out", str(outs[0]), "--sleep", "0.2", "--",
+                   "job.py", "--out", str(outs[1]), "--sleep", "0.2"], _env(sched), log)
     try:
         _until(lambda: _progress(outs[0]) >= 5 and _progress(outs[1]) >= 5, 180, "both jobs running", log)
         first = _daemon_pid(sched)
@@ -314,7 +318,7 @@ def test_daemon_killed_mid_run_both_finish_and_a_new_one_takes_over(work: Path, 
     assert "continuing uncoordinated" in text and "re-attached" in text
     events = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
     later = {e["job"] for e in events if e["ev"] == "start" and e["daemon"] != first}
-    assert later == {"job0", "job1"}, "the new daemon did not coordinate both jobs"
+    assert later == {"job-1", "job-2"}, "the new daemon did not coordinate both jobs"
 
 
 def test_ctrl_c_stops_every_job(work: Path, sched: Path) -> None:
@@ -335,3 +339,116 @@ def test_ctrl_c_stops_every_job(work: Path, sched: Path) -> None:
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, f"ranks still alive after Ctrl-C: {[p for p in pids if _alive(p)]}"
         time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- the bare form, progress, plot, TensorBoard
+
+TINY = textwrap.dedent("""
+    import sys, time
+    import torch
+    import horovod.torch as hvd
+
+    steps = int(sys.argv[1])
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = torch.randn(256, 128), torch.randint(0, 8, (256,))
+    for step in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.02)  # a little more compute while holding the device
+        opt.step()
+    print(f"{sys.argv[0]} done after {steps} steps", flush=True)
+""")
+
+
+def test_the_bare_form_runs_each_script_as_a_job(work: Path, sched: Path) -> None:
+    """`crossover-run first.py second.py`, exactly the usage line: two jobs named after their scripts, -np
+    chosen and said, a progress line per job while they run, then the turns as a PNG and as TensorBoard
+    scalars (read back with TensorBoard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d = work / "bare"
+    d.mkdir()
+    (d / "first.py").write_text(TINY)
+    (d / "second.py").write_text(TINY)
+    log = d / "bare.log"
+    # a bare-form job takes its own arguments up to the next .py argument
+    proc = _start(["--sched-dir", str(sched), "--telemetry-dir", str(d / "tel"), "--progress-every", "1",
+                   "--plot", str(d / "turns.png"), "--tensorboard", str(d / "tb"), "first.py", "60", "second.py", "40"],
+                  _env(sched), log)
+    assert _wait(proc, log) == 0, log.read_text()
+    text = log.read_text()
+    assert "-np not given: 1 rank per job (no CUDA device found)" in text
+    assert "2 jobs (first, second), 1 rank(s) each" in text
+    assert "[first]" in text and "[second]" in text
+    assert "first.py done after 60 steps" in text and "second.py done after 40 steps" in text
+    progress = [x for x in text.splitlines() if x.startswith("crossover-run: progress at")]
+    assert any("first: step" in x and "turns" in x and "steps/s" in x for x in progress), progress
+    assert "first=0, second=0" in text
+
+    (run,) = (d / "tel").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert {j: v["steps"] for j, v in summary["jobs"].items()} == {"first": 60, "second": 40}
+    starts = [json.loads(x) for x in (sched / "trace.jsonl").read_text().splitlines()]
+    assert {e["job"] for e in starts if e["ev"] == "start"} == {"first", "second"}
+
+    assert (d / "turns.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for job, steps in (("first", 60), ("second", 40)):
+        acc = EventAccumulator(str(d / "tb" / job))
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        assert {"crossover/busy", "crossover/overlap", "crossover/wait_for_turn_s"} <= set(tags), tags
+        busy = acc.Scalars("crossover/busy")
+        assert len(busy) == steps and [e.step for e in busy] == list(range(steps))
+        assert all(0.0 <= e.value <= 1.0 for e in busy + acc.Scalars("crossover/overlap"))
+        assert all(e.value >= 0.0 for e in acc.Scalars("crossover/wait_for_turn_s"))
+
+
+FAKE_HOROVODRUN = textwrap.dedent("""
+    import os, time
+    from crossover.scheduler.telemetry import Recorder
+    r = Recorder(os.environ["CROSSOVER_TELEMETRY_DIR"], os.environ["CROSSOVER_JOB"], "rank0", "localhost", "cpu")
+    for i in range(12):
+        t = time.time()
+        r.span("compute", t, t + 0.05)
+        r.step(i, t + 0.1, 0.05, 0.0, 0.05)
+        print("line", i, flush=True)
+        time.sleep(0.1)
+    r.close()
+""")
+
+
+def test_progress_is_one_redrawn_line_on_a_terminal(work: Path) -> None:
+    """On a terminal the progress is one line redrawn in place (cleared before a job's output line, drawn
+    again after); the jobs' lines stay intact."""
+    import pty
+
+    d = work / "tty"
+    d.mkdir()
+    (d / "job.py").write_text("")
+    fake = d / "horovodrun"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_HOROVODRUN)
+    fake.chmod(0o755)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(RUN + ["--horovodrun", str(fake), "-np", "1", "job.py", "job.py"], env=_env(), cwd=str(d),
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child side closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0
+    text = out.decode(errors="replace")
+    assert "\r\x1b[2K[" in text and "job-1: step" in text and "turns" in text  # the redrawn status line
+    assert "[job-1] line 11" in text and "[job-2] line 11" in text
+    assert "crossover-run: progress at" not in text  # no plain lines on a terminal

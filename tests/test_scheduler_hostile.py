@@ -1,9 +1,11 @@
-"""The scheduler against a hostile local user, descriptor exhaustion and a hung daemon (issue 15).
+"""The scheduler against a hostile local user, descriptor exhaustion and a hung daemon (issue 15), and
+against parseable-but-hostile values, stalled clients and paths swapped mid-run (issue 27).
 
 Real processes throughout: the daemon, clients, ``crossover-run`` (with a stand-in ``horovodrun`` that
 writes one rank's telemetry, so no Horovod start-up) and, when the tests run as root, a second Unix user
 created for the test (``useradd``) that plays the attacker; without root those tests are skipped with
-that reason. About 20 seconds in all (18 s measured on the shared 2-core machine).
+that reason. Links "of another user" are made by root and handed to an unused uid with ``os.lchown``.
+About 40 seconds in all (41 s measured on the shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -414,7 +416,7 @@ def test_two_runs_sharing_a_telemetry_dir_stay_apart(fake_run: Path) -> None:
     assert announced == {str(r) for r in runs}
     for r in runs:
         summary = json.loads((r / "summary.json").read_text())
-        assert {j: v["workers"] for j, v in summary["jobs"].items()} == {"job0": 1, "job1": 1}
+        assert {j: v["workers"] for j, v in summary["jobs"].items()} == {"job-1": 1, "job-2": 1}
         trace = json.loads((r / "timeline.json").read_text())
         assert len({e["pid"] for e in trace["traceEvents"]}) == 2
 
@@ -446,3 +448,371 @@ def test_an_existing_shared_directory_is_refused_not_chmodded(tmp_path: Path) ->
     assert w.returncode == 0 and w.stdout.strip() == "False", w.stderr
     assert "running uncoordinated" in w.stderr and str(shared) in w.stderr
     assert os.listdir(shared) == []
+
+
+# --------------------------------------------------------------------------- 7. parseable but hostile values
+
+
+def _raw_frame(body: bytes) -> bytes:
+    return struct.pack("!I", len(body)) + body
+
+
+def _exchange(d: str, frames: list[bytes], timeout: float = 10.0) -> list[dict]:
+    """Send ``frames`` on one new connection, return every message the daemon sends back until it closes
+    the connection or goes quiet for a second."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(paths.socket_path(d))
+    for f in frames:
+        s.sendall(f)
+    data = b""
+    s.settimeout(1.0)
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    s.close()
+    out = []
+    while len(data) >= 4:
+        (n,) = struct.unpack("!I", data[:4])
+        out.append(json.loads(data[4:4 + n]))
+        data = data[4 + n:]
+    return out
+
+
+def _hello_body(weight: str) -> bytes:
+    return b'{"op":"hello","v":1,"job":"evil","member":"m","weight":' + weight.encode() + b',"pid":1}'
+
+
+def test_a_hello_with_a_huge_integer_weight_only_closes_its_connection(sched_dir: str) -> None:
+    """A 462-byte hello whose weight is a 400-digit integer: JSON parses it, and checking it once raised
+    OverflowError out of the daemon. Now that connection gets an error and is closed; the daemon serves on."""
+    proc = start_daemon(sched_dir)
+    body = _hello_body("1" + "0" * 399)
+    assert len(_raw_frame(body)) > 400
+    replies = _exchange(sched_dir, [_raw_frame(body)])
+    assert [m["op"] for m in replies] == ["error"] and "weight" in replies[0]["msg"], replies
+    assert proc.poll() is None, log_lines(sched_dir)[-10:]
+    c = SchedulerClient("real", "r0", directory=sched_dir, autostart=False)
+    assert c.connect(wait=10) and c.acquire("cpu0", 0)
+    c.release("cpu0")
+    c.close()
+
+
+@pytest.mark.parametrize("weight", ["5e-324", "1e-300", "0.0009", "1000.5", "1e308"])
+def test_a_weight_outside_the_sane_range_is_refused(sched_dir: str, weight: str) -> None:
+    """Weight 5e-324 passed the (0, 1000] check; one turn later the job's virtual time was inf, the next
+    status reply could not be encoded and the daemon exited. Weights are refused outside [1e-3, 1e3]; at the
+    bounds, turns and status replies keep working (virtual times stay finite)."""
+    proc = start_daemon(sched_dir)
+    replies = _exchange(sched_dir, [_raw_frame(_hello_body(weight))])
+    assert [m["op"] for m in replies] == ["error"] and "weight" in replies[0]["msg"], replies
+    for w in (1e-3, 1e3):
+        c = SchedulerClient(f"w{w:g}", "r0", weight=w, directory=sched_dir, autostart=False)
+        assert c.connect(wait=10)
+        for seq in range(3):
+            assert c.acquire("cpu0", seq)
+            c.release("cpu0")
+        state = c.status()
+        assert state is not None and all(v < 1e6 for v in state["devices"]["cpu0"]["vtime"].values()), state
+        c.close()
+    assert proc.poll() is None, log_lines(sched_dir)[-10:]
+
+
+@pytest.mark.parametrize("weight", [5e-324, float("nan"), float("inf"), 0.0, 1e4])
+def test_a_client_refuses_a_bad_weight_at_construction(sched_dir: str, weight: float) -> None:
+    with pytest.raises(ValueError, match=r"weight.*between 0\.001 and 1000"):
+        SchedulerClient("j", "m", weight=weight, directory=sched_dir, autostart=False)
+
+
+def test_job_weight_nan_in_the_environment_is_refused_at_start(tmp_path: Path) -> None:
+    """CROSSOVER_JOB_WEIGHT=nan crashed the job with "Out of range float values are not JSON compliant";
+    now the session refuses it at start, naming the variable and the range."""
+    code = f"""
+        from horovod_ext import scheduling
+        scheduling.enable(job="j", member="m", device="cpu0", directory={str(tmp_path / "s")!r})
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**ENV, "CROSSOVER_JOB_WEIGHT": "nan"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "CROSSOVER_JOB_WEIGHT" in r.stderr and "between 0.001 and 1000" in r.stderr, r.stderr
+    assert "JSON compliant" not in r.stderr
+
+
+@pytest.mark.parametrize("argv,env", [
+    (["--lease", "inf"], {}), (["--lease", "nan"], {}), (["--lease", "0"], {}), (["--align-ms", "inf"], {}),
+    (["--align-ms", "-1"], {}), (["--idle-exit", "nan"], {}), (["--hello-timeout", "inf"], {}),
+    (["--nice", "99"], {}), ([], {"CROSSOVER_LEASE_S": "nan"}), ([], {"CROSSOVER_ALIGN_MS": "inf"}),
+    ([], {"CROSSOVER_SCHED_IDLE_EXIT": "-5"}), ([], {"CROSSOVER_LEASE_S": "ten"}),
+    ([], {"CROSSOVER_SCHED_NICE": "1e400"})],
+    ids=["lease-inf", "lease-nan", "lease-0", "align-inf", "align-neg", "idle-nan", "hello-inf", "nice-99",
+         "env-lease-nan", "env-align-inf", "env-idle-neg", "env-lease-word", "env-nice-huge"])
+def test_every_numeric_daemon_setting_is_checked(sched_dir: str, argv: list[str], env: dict[str, str]) -> None:
+    """--lease inf|nan, --align-ms inf and CROSSOVER_LEASE_S=nan started a daemon that crashed on its first
+    welcome (or in select). Every numeric setting, on the command line or in the environment, is refused at
+    start: exit 2 and a message naming the setting and its range."""
+    idle = [] if "CROSSOVER_SCHED_IDLE_EXIT" in env else ["--idle-exit", "1"]  # the command line would win
+    r = subprocess.run([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", sched_dir, *idle, *argv],
+                       env={**ENV, **env}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    name = argv[0] if argv else next(iter(env))
+    assert name in r.stderr and "between" in r.stderr, r.stderr[-2000:]
+    assert not daemons_for(sched_dir)
+
+
+@pytest.mark.parametrize("opt,value", [("--lease", "inf"), ("--lease", "nan"), ("--align-ms", "inf"),
+                                       ("--weights", "5e-324,1"), ("--weights", "nan,1"), ("--grace", "inf"),
+                                       ("--cycle-time-ms", "nan"), ("-np", "0")])
+def test_crossover_run_refuses_non_finite_settings(fake_run: Path, opt: str, value: str) -> None:
+    r = subprocess.run(RUN + ["--dry-run", "-np", "1", opt, value, "job.py", "--", "job.py"], env=ENV,
+                       cwd=str(fake_run), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "usage: crossover-run" in r.stderr and opt in r.stderr, r.stderr
+
+
+def test_crossover_run_refuses_bad_scheduler_variables_in_its_environment(fake_run: Path) -> None:
+    r = subprocess.run(RUN + ["--dry-run", "-np", "1", "job.py"], env={**ENV, "CROSSOVER_LEASE_S": "nan"},
+                       cwd=str(fake_run), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "CROSSOVER_LEASE_S" in r.stderr, r.stdout + r.stderr
+
+
+def test_a_daemon_that_dies_at_start_is_not_respawned_in_a_tight_loop(sched_dir: str,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that cannot start (here: a planted daemon.lock link) was started again every second by every
+    worker while the jobs ran uncoordinated. Now the worker backs off (doubling the wait) and says why."""
+    caplog.set_level(logging.INFO, logger="crossover.scheduler.client")
+    os.symlink("/nonexistent-target", os.path.join(sched_dir, "daemon.lock"))
+    c = SchedulerClient("j", "r0", directory=sched_dir, retry_s=0.1)
+    assert c.connect(wait=1) is False
+    t_end = time.monotonic() + 6
+    seq = 0
+    while time.monotonic() < t_end:
+        assert c.acquire("cpu0", seq) is False  # uncoordinated, never blocked
+        c.release("cpu0")
+        seq += 1
+        time.sleep(0.05)
+    c.close()
+    starts = Path(sched_dir, "daemon.log").read_text().count("cannot serve")
+    assert 1 <= starts <= 4, f"{starts} daemons started in 7 s"
+    assert "exited with status 2" in caplog.text and "daemon.lock is a symbolic link" in caplog.text
+    assert "not starting another for" in caplog.text
+
+
+def test_an_unexpected_error_in_one_message_closes_only_that_connection(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever one client's message raises closes that connection (logged with its traceback) and the daemon
+    serves on; only when the error left the scheduler's own state inconsistent does the daemon stop."""
+    from crossover.scheduler import daemon as daemon_mod
+    from crossover.scheduler.policy import _Device
+
+    caplog.set_level(logging.INFO, logger="crossover.scheduler.daemon")
+    d = daemon_mod.Daemon(str(tmp_path / "s"), idle_exit_s=0)
+    assert d.start()
+    socks = []
+    try:
+        def connect() -> tuple[socket.socket, object]:
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(5)
+            s.connect(d.sock_path)
+            socks.append(s)
+            before = set(d._clients)
+            d._accept()
+            (cid,) = set(d._clients) - before
+            return s, d._clients[cid]
+
+        hello = encode({"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 1.0, "pid": 1})
+        real_hello = d.sched.hello
+        s, c = connect()
+        d.sched.hello = lambda *a: 1 / 0  # type: ignore[method-assign]
+        s.sendall(hello)
+        d._read(c)  # type: ignore[arg-type]
+        assert c.cid not in d._clients  # type: ignore[attr-defined]
+        (n,) = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))
+        assert json.loads(s.recv(n, socket.MSG_WAITALL)) == {"op": "error", "msg": "internal error: ZeroDivisionError"}
+        assert "ZeroDivisionError" in caplog.text and "Traceback" in caplog.text
+
+        d.sched.hello = real_hello  # type: ignore[method-assign]
+        s2, c2 = connect()
+        s2.sendall(hello)
+        d._read(c2)  # type: ignore[arg-type]
+        assert d.sched.known(c2.cid)  # type: ignore[attr-defined]  # the daemon serves on
+
+        def corrupting(*a: object) -> None:
+            d.sched._devices["gpu9"] = _Device("elsewhere")  # a bug that leaves the state inconsistent
+            raise KeyError("gpu9")
+
+        s3, c3 = connect()
+        d.sched.hello = corrupting  # type: ignore[method-assign]
+        s3.sendall(hello)
+        with pytest.raises(daemon_mod.InternalError, match="inconsistent"):
+            d._read(c3)  # type: ignore[arg-type]
+    finally:
+        for s in socks:
+            s.close()
+        d.close()
+
+
+def test_clients_stalled_mid_message_neither_lock_workers_out_nor_stay(sched_dir: str) -> None:
+    """Same-user clients that say hello and then stop in the middle of a message filled the daemon for good.
+    Now a newcomer takes the place of the oldest stalled one when the daemon is full, and a stalled
+    connection is closed after --read-timeout anyway."""
+    start_daemon(sched_dir, "--max-clients", "20", "--read-timeout", "30")
+    hello = encode({"op": "hello", "v": 1, "job": "stall", "member": "m", "weight": 1.0, "pid": os.getpid()})
+    stalled = []
+    for _ in range(20):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(5)
+        s.connect(paths.socket_path(sched_dir))
+        s.sendall(hello + b"\x00\x00")  # half of the next frame's header, then nothing
+        stalled.append(s)
+    try:
+        time.sleep(0.5)
+        real = SchedulerClient("real", "r0", directory=sched_dir, autostart=False)
+        assert real.connect(wait=10), log_lines(sched_dir)[-5:]
+        assert real.acquire("cpu0", 0)
+        real.release("cpu0")
+        real.close()
+        assert any("stopped in the middle of a message and the daemon is full" in x for x in log_lines(sched_dir))
+    finally:
+        for s in stalled:
+            s.close()
+
+    sched_harness.kill_daemons(sched_dir)
+    os.unlink(paths.socket_path(sched_dir))
+    start_daemon(sched_dir, "--read-timeout", "0.5")
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(paths.socket_path(sched_dir))
+    s.sendall(hello + b"\x00\x00\x00")
+    t0 = time.monotonic()
+    (n,) = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))
+    assert json.loads(s.recv(n, socket.MSG_WAITALL))["op"] == "welcome"
+    (n,) = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))
+    assert "stopped in the middle of a message" in json.loads(s.recv(n, socket.MSG_WAITALL))["msg"]
+    assert s.recv(10) == b"" and time.monotonic() - t0 < 5
+    s.close()
+
+
+def test_the_daemon_runs_on_every_allowed_cpu_whoever_started_it(sched_dir: str) -> None:
+    """A daemon started on demand by a worker pinned to one core kept that core only (docs: all cores)."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    code = f"""
+        import os
+        os.sched_setaffinity(0, {{{min(allowed)}}})
+        from crossover.scheduler.client import SchedulerClient
+        c = SchedulerClient("pinned", "r0", directory={sched_dir!r})
+        assert c.connect(wait=20)
+        print(c.daemon_pid)
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=ENV, capture_output=True, text=True,
+                       timeout=60, check=True)
+    pid = int(r.stdout.strip())
+    assert os.sched_getaffinity(pid) == allowed
+
+
+# --------------------------------------------------------------------------- 8. paths swapped while a run goes on
+
+OTHER_UID = 4242  # stands for another user: the owner of the planted links (os.lchown), no account needed
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A shared, sticky folder like /tmp, removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="xo-sh-", dir="/tmp"))
+    d.chmod(0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _planted_link(link: Path, target: Path) -> None:
+    os.symlink(target, link)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+
+
+def test_a_telemetry_dir_through_another_users_link_is_refused(fake_run: Path, shared: Path, tmp_path: Path) -> None:
+    """--telemetry-dir through a link another user made in a sticky folder: the old owner check resolved the
+    real path first (root's folder: fine) and never saw the link, which its owner can re-point at any time."""
+    target = tmp_path / "roots-folder"
+    target.mkdir()
+    _planted_link(shared / "tel", target)
+    proc = _crossover_run(fake_run, "--telemetry-dir", str(shared / "tel"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert f"symbolic link that belongs to uid {OTHER_UID}" in err and str(shared / "tel") in err
+    assert list(target.iterdir()) == []
+
+
+def test_a_timeline_link_swapped_mid_run_never_redirects_the_report(fake_run: Path, shared: Path,
+                                                                      tmp_path: Path) -> None:
+    """--timeline LINK/timeline.json, LINK another user's: it pointed at a harmless folder when the run
+    started and at a folder with root's timeline.json by the end; the report overwrote root's file. Now
+    the folder is opened and checked at start: refused, and nothing is written."""
+    harmless, precious = tmp_path / "harmless", tmp_path / "precious"
+    harmless.mkdir()
+    precious.mkdir()
+    (precious / "timeline.json").write_text("root's data\n")
+    link = shared / "out"
+    _planted_link(link, harmless)
+    swap = fake_run / "horovodrun-swap"
+    swap.write_text((fake_run / "horovodrun").read_text() + textwrap.dedent(f"""
+        os.unlink({str(link)!r})  # the other user re-points the link while the job runs
+        os.symlink({str(precious)!r}, {str(link)!r})
+        os.lchown({str(link)!r}, {OTHER_UID}, {OTHER_UID})
+    """))
+    swap.chmod(0o755)
+    proc = subprocess.Popen(RUN + ["--horovodrun", str(swap), "-np", "1", "--telemetry-dir", str(fake_run / "tel"),
+                                   "--timeline", str(link / "timeline.json"), "job.py"], env=ENV, cwd=str(fake_run),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert (precious / "timeline.json").read_text() == "root's data\n"
+    assert proc.returncode == 2, out + err
+    assert f"belongs to uid {OTHER_UID}" in err
+    assert list(harmless.iterdir()) == []
+
+
+def test_the_daemon_trace_never_goes_through_another_users_link(sched_dir: str, shared: Path,
+                                                                tmp_path: Path) -> None:
+    target = tmp_path / "roots-folder"
+    target.mkdir()
+    _planted_link(shared / "trace", target)
+    r = subprocess.run([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", sched_dir, "--idle-exit", "1"],
+                       env={**ENV, "CROSSOVER_SCHED_TRACE": str(shared / "trace" / "events.jsonl")},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"belongs to uid {OTHER_UID}" in r.stderr
+    assert list(target.iterdir()) == []
+
+
+def test_a_worker_never_writes_telemetry_through_another_users_link(shared: Path, tmp_path: Path) -> None:
+    from crossover.scheduler.telemetry import Recorder
+
+    target = tmp_path / "roots-folder"
+    target.mkdir()
+    _planted_link(shared / "tel", target)
+    with pytest.raises(paths.SchedulerDirError, match=f"belongs to uid {OTHER_UID}"):
+        Recorder(str(shared / "tel"), "j", "r0", "h", "cpu0")
+    assert list(target.iterdir()) == []
+
+
+def test_run_files_are_private_and_the_temporary_folder_is_removed(fake_run: Path) -> None:
+    """Telemetry was world-readable (0644 files in a 0755 folder) and /tmp/crossover-run-* folders stayed."""
+    proc = _crossover_run(fake_run, "--telemetry-dir", str(fake_run / "tel"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    (run,) = (fake_run / "tel").iterdir()
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    files = list(run.iterdir())
+    assert {p.suffix for p in files} == {".jsonl", ".json"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [(p.name, oct(p.stat().st_mode)) for p in files]
+
+    proc = _crossover_run(fake_run)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    tmp = re.search(r"telemetry in (\S+)", out).group(1)  # type: ignore[union-attr]
+    assert os.path.basename(tmp).startswith("crossover-run-") and not os.path.exists(tmp)
+    assert "busy" in out  # the summary was printed before the folder went

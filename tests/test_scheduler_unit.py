@@ -47,6 +47,10 @@ BAD_BODIES = [
     b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 0, "pid": 1}',
     b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 1e400, "pid": 1}',
     b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": Infinity, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 1' + b"0" * 399 + b', "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 5e-324, "pid": 1}',
+    b'{"op": "hello", "v": 1, "job": "j", "member": "m", "weight": 0.0009, "pid": 1}',
+    b'{"op": "ping", "id": 1' + b"0" * 4000 + b"}",
     b"\xff\xfe{}", b"[" * 3000 + b"]" * 3000, b'{"op": "acquire", "id": 1, "dev": "c", "seq": null}',
 ]
 
@@ -55,6 +59,21 @@ BAD_BODIES = [
 def test_rejects_invalid_messages(body: bytes) -> None:
     with pytest.raises(ProtocolError):
         Decoder(CLIENT_OPS).feed(frame(body))
+
+
+def test_encode_refuses_non_finite_numbers() -> None:
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode({"op": "status", "id": 1, "state": {"vtime": float("inf")}})
+
+
+def test_scheduler_refuses_non_finite_settings_and_weights() -> None:
+    for kw in ({"lease_s": float("inf")}, {"lease_s": float("nan")}, {"align_s": float("inf")}, {"align_s": -1.0}):
+        with pytest.raises(ValueError):
+            Scheduler(**kw)  # type: ignore[arg-type]
+    s = Scheduler()
+    with pytest.raises(StateError, match="between 0.001 and 1000"):
+        s.hello(1, "A", "a0", 5e-324, 1)
+    s.check()
 
 
 def test_rejects_bad_lengths() -> None:
@@ -290,6 +309,63 @@ def test_summary_and_trace(tmp_path) -> None:
     assert "A" in telemetry.format_summary(s)
 
 
+def _alternating(tmp_path, steps: int = 8) -> list:
+    """Jobs A and B on h/cpu0: each computes 1 s then communicates 1 s, B one second behind A."""
+    for job, offset in (("A", 0.0), ("B", 1.0)):
+        r = telemetry.Recorder(str(tmp_path), job, "rank0", "h", "cpu0")
+        for k in range(steps):
+            t = 100 + offset + 2 * k
+            r.span("compute", t, t + 1)
+            r.span("wait_comm", t + 1, t + 2)
+            r.step(k, t + 2, 1.0, 0.0, 1.0)
+        r.close()
+    return telemetry.load(str(tmp_path))
+
+
+def test_step_figures(tmp_path) -> None:
+    rows = telemetry.step_figures(_alternating(tmp_path))
+    assert [r["step"] for r in rows["A"]] == list(range(8))
+    later = rows["A"][1:-1]  # both jobs running: the device always busy, A's waits fully hidden behind B
+    assert all(r["busy"] == pytest.approx(1.0) and r["overlap"] == pytest.approx(1.0) for r in later), later
+    assert rows["A"][0]["step_s"] == pytest.approx(2.0) and rows["A"][0]["wait_for_turn_s"] == 0.0
+    assert rows["B"][-1]["overlap"] == pytest.approx(0.0)  # A has finished: nobody computes during B's last wait
+
+
+def test_plot_timeline(tmp_path) -> None:
+    from crossover.scheduler import plot
+
+    streams = _alternating(tmp_path / "tel", steps=12)
+    out = tmp_path / "turns.png"
+    drawn = plot.plot_timeline(streams, str(out))
+    assert out.read_bytes()[:4] == b"\x89PNG" and drawn["devices"] == ["h/cpu0"] and drawn["jobs"] == ["A", "B"]
+    t0, t1 = drawn["window"]
+    assert t0 == pytest.approx(100 + 1 + 2 * 3 + 2) and t1 - t0 == pytest.approx(12.0)  # 6 steps after 3
+
+
+def test_telemetry_tail_follows_growing_files(tmp_path) -> None:
+    from crossover.scheduler.progress import TelemetryTail, format_jobs
+
+    r = telemetry.Recorder(str(tmp_path), "A", "rank0", "h", "cpu0")
+    os.symlink("/etc/passwd", tmp_path / "planted.jsonl")  # never followed
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    tail = TelemetryTail(fd)
+    try:
+        assert tail.poll() == {}  # the meta line is not flushed before the first step
+        for k in range(3):
+            r.span("compute", 10 + k, 10.5 + k)
+            r.step(k, 11 + k, 0.5, 0.0, 0.5)
+        got = tail.poll()["A"]
+        assert (got.steps, got.turns, got.steps_per_s) == (3, 3, pytest.approx(1.0))
+        r.span("compute", 13, 13.5)
+        r.step(3, 13.25, 0.5, 0.0, 0.0)
+        assert tail.poll()["A"].steps == 4
+        assert format_jobs({"A": tail.poll()["A"], "B": "starting"}) == "A: step 4, 4 turns, 1.33 steps/s; B: starting"
+    finally:
+        tail.close()
+        os.close(fd)
+        r.close()
+
+
 # --------------------------------------------------------------------------- crossover-run planning
 
 
@@ -299,14 +375,53 @@ def test_plan_jobs(tmp_path) -> None:
     b.write_text("")
     args, jobs = run.plan_jobs(["-np", "2", "-H", "h1:1,h2:1", "--gloo", str(a), "--lr", "0.1", "--",
                                 str(b), "--epochs", "5", "--", "-m", "pkg.mod", "-x"])
-    assert [j.name for j in jobs] == ["job0", "job1", "job2"]
+    assert [j.name for j in jobs] == ["a", "b", "pkg.mod"]  # named after their scripts
     hvd = jobs[0].argv[:6]
     assert hvd[1:] == ["-np", "2", "-H", "h1:1,h2:1", "--gloo"]
     assert jobs[0].argv[6:] == [jobs[0].argv[6], "-m", "horovod_ext.launch", str(a), "--lr", "0.1"]
     assert jobs[2].argv[-5:] == ["-m", "horovod_ext.launch", "-m", "pkg.mod", "-x"]
-    assert jobs[1].env["CROSSOVER_JOB"] == "job1" and jobs[1].env["CROSSOVER_SCHED"] == "1"
+    assert jobs[1].env["CROSSOVER_JOB"] == "b" and jobs[1].env["CROSSOVER_SCHED"] == "1"
     _, plain = run.plan_jobs(["-np", "2", "--no-crossover", str(a)])
     assert "horovod_ext.launch" not in plain[0].argv and plain[0].env["CROSSOVER_SCHED"] == "0"
+
+
+def test_plan_the_bare_form(tmp_path, monkeypatch) -> None:
+    """`crossover-run job1.py job2.py` (the project's usage line): each .py argument is a job, -np defaults."""
+    from crossover.scheduler import plan
+
+    for name in ("job1.py", "job2.py", "cfg.py"):
+        (tmp_path / name).write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan, "default_np", lambda: (1, "1 rank per job (no CUDA device found)"))
+    args, jobs = run.plan_jobs(["job1.py", "job2.py"])
+    assert [j.name for j in jobs] == ["job1", "job2"] and args.np == 1 and "no CUDA" in args.np_reason
+    assert [j.user_cmd for j in jobs] == [["job1.py"], ["job2.py"]]
+    assert jobs[0].argv[1:3] == ["-np", "1"] and jobs[0].argv[-3:] == ["-m", "horovod_ext.launch", "job1.py"]
+    assert jobs[0].argv[3] == jobs[1].argv[3]  # the same python for both
+    args, jobs = run.plan_jobs(["-np", "3", "job1.py", "--lr", "0.1", "--config", "cfg.py", "job1.py", "--seed", "2"])
+    assert [j.user_cmd for j in jobs] == [["job1.py", "--lr", "0.1", "--config", "cfg.py"], ["job1.py", "--seed", "2"]]
+    assert [j.name for j in jobs] == ["job1-1", "job1-2"] and args.np == 3 and args.np_reason == "given"
+
+
+def test_split_bare_and_job_names() -> None:
+    from crossover.scheduler.plan import job_names, split_bare
+
+    assert split_bare(["a.py", "b.py", "python3", "c.py", "-x", "1", "d.py", "--opt", "e.py"]) == [
+        ["a.py"], ["b.py"], ["python3", "c.py", "-x", "1"], ["d.py", "--opt", "e.py"]]
+    assert job_names([["t.py"], ["x/t.py"], ["-m", "pkg.mod"], ["python3", "u v.py"], ["t-1.py"]]) == [
+        "t-1", "t-2", "pkg.mod", "u_v", "t-1-1"]
+
+
+def test_default_np_says_what_it_chose(monkeypatch) -> None:
+    import torch
+
+    from crossover.scheduler.plan import default_np
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert default_np() == (4, "4 rank(s) per job, one per local GPU (torch.cuda.device_count())")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_np() == (1, "1 rank per job (no CUDA device found)")
 
 
 @pytest.mark.parametrize("argv", [[], ["-np", "2"], ["-np", "2", "--bogus", "a.py"], ["-np", "2", "missing.py"],

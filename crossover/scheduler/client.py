@@ -34,7 +34,7 @@ import time
 import weakref
 from typing import Any
 
-from crossover.scheduler import paths
+from crossover.scheduler import paths, settings
 from crossover.scheduler.protocol import CLIENT_OPS, HEADER, SERVER_OPS, VERSION, Decoder, ProtocolError, encode
 
 __all__ = ["SchedulerClient", "spawn_daemon", "ForeignDaemonError"]
@@ -43,11 +43,16 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0  # connect + welcome: a live daemon answers in microseconds
 RETRY_MAX_S = 10.0
+# A daemon we started that exits with an error (it cannot start, or crashed) is started again only after a pause
+# doubling from 1 s to 60 s: a broken set-up costs a few starts a minute, not one per worker per second.
+SPAWN_BACKOFF_MIN_S = 1.0
+SPAWN_BACKOFF_MAX_S = 60.0
 _UCRED = struct.Struct("3i")
 _spawn_lock = threading.Lock()
+_spawn_backoff: dict[str, list[float]] = {}  # directory -> [pause, next start allowed], for all clients of a process
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spawned: list[subprocess.Popen[bytes]] = []
+_spawned: dict[str, list[subprocess.Popen[bytes]]] = {}  # directory -> daemons this process started
 
 
 def spawn_daemon(directory: str, extra_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
@@ -63,17 +68,51 @@ def spawn_daemon(directory: str, extra_args: tuple[str, ...] = ()) -> subprocess
     fd = paths.open_own_file(os.path.join(directory, paths.LOG_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         with _spawn_lock:
-            for p in list(_spawned):  # reap daemons that exited (e.g. lost the race)
-                if p.poll() is not None:
-                    _spawned.remove(p)
             proc = subprocess.Popen([sys.executable, "-m", "crossover.scheduler.daemon", "--dir", directory,
                                      *extra_args], stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env,
                                     cwd="/", start_new_session=True, close_fds=True)
-            _spawned.append(proc)
+            _spawned.setdefault(directory, []).append(proc)
     finally:
         os.close(fd)
     log.info("started a crossover scheduler daemon (pid %d) for %s", proc.pid, directory)
     return proc
+
+
+def _log_tail(directory: str) -> str:
+    """The last line of the daemon's log (why it stopped), or '' (never through a symbolic link)."""
+    try:
+        fd = paths.open_own_file(os.path.join(directory, paths.LOG_NAME), os.O_RDONLY)
+    except (OSError, paths.SchedulerDirError):
+        return ""
+    with open(fd, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+        lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
+    return lines[-1][:400] if lines else ""
+
+
+def _spawn_allowed(directory: str) -> bool:
+    """Whether a daemon may be started now (the caller holds ``_spawn_lock``). A daemon of ours that exited with
+    an error since the last call doubles the pause before the next start, logged once with the reason."""
+    ours = _spawned.setdefault(directory, [])
+    backoff = _spawn_backoff.setdefault(directory, [0.0, 0.0])
+    for p in list(ours):
+        code = p.poll()
+        if code is None:
+            return False  # the daemon we started is still starting up (or serving): do not pile up more
+        ours.remove(p)
+        if code != 0:  # 0: it lost the race to another daemon, which serves
+            delay = backoff[0] = min(SPAWN_BACKOFF_MAX_S, max(SPAWN_BACKOFF_MIN_S, 2 * backoff[0]))
+            backoff[1] = time.monotonic() + delay
+            tail = _log_tail(directory)
+            log.warning("crossover scheduler: the daemon we started (pid %d) exited with status %d%s; not starting "
+                        "another for %.3g s (running uncoordinated meanwhile)", p.pid, code,
+                        f" ({tail})" if tail else f" (see {os.path.join(directory, paths.LOG_NAME)})", delay)
+    return time.monotonic() >= backoff[1]
+
+
+def _spawn_succeeded(directory: str) -> None:
+    """A daemon answered: the next failure starts the back-off from its minimum again."""
+    _spawn_backoff.pop(directory, None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,7 +212,7 @@ class SchedulerClient:
                  probe_s: float = 1.0, reply_timeout: float = 2.0) -> None:
         self.job = job
         self.member = member
-        self.weight = weight
+        self.weight = settings.WEIGHT.parse(weight, "weight")  # refused here, not at the first hello
         self.directory = paths.secure_dir(directory)
         self.sock_path = paths.socket_path(self.directory)
         self.autostart = autostart
@@ -224,6 +263,7 @@ class SchedulerClient:
                 return True
             deadline = time.monotonic() + wait
             spawned = False
+            proc: subprocess.Popen[bytes] | None = None
             while True:
                 try:
                     self._install(*self._handshake())
@@ -234,21 +274,28 @@ class SchedulerClient:
                 except (OSError, ProtocolError) as exc:
                     self._note_failure(exc)
                     if self.autostart and not spawned:
-                        self._spawn()
+                        proc = self._spawn()
                         spawned = True
+                    elif proc is not None and proc.poll() not in (None, 0):  # it died at start: no use waiting
+                        with _spawn_lock:
+                            _spawn_allowed(self.directory)  # logs why, starts the back-off
+                        self._lost("the scheduler daemon could not start")
+                        return False
                 if time.monotonic() >= deadline:
                     self._lost("no scheduler daemon answers on " + self.sock_path)
                     return False
                 time.sleep(0.02)
 
-    def _spawn(self) -> None:
+    def _spawn(self) -> subprocess.Popen[bytes] | None:
+        """Start a daemon unless ours is still running or the back-off after a failed one is not over."""
         with _spawn_lock:
-            if any(p.poll() is None for p in _spawned):
-                return  # the daemon we started is still starting up (or serving): do not pile up more
+            if not _spawn_allowed(self.directory):
+                return None
         try:
-            spawn_daemon(self.directory)
+            return spawn_daemon(self.directory)
         except (OSError, paths.SchedulerDirError) as exc:
             log.warning("cannot start the crossover scheduler daemon: %s", exc)
+            return None
 
     def _handshake(self) -> tuple[_Channel, dict[str, Any]]:
         """Connect, check that the daemon is of our user, say hello, read the welcome. Touches no state."""
@@ -275,6 +322,7 @@ class SchedulerClient:
     def _install(self, ch: _Channel, welcome: dict[str, Any]) -> None:
         """Use a fresh connection (the caller holds the lock and has none)."""
         self._ch = ch
+        _spawn_succeeded(self.directory)
         self.lease_s = float(welcome["lease"])
         self.daemon_pid = int(welcome["pid"])
         self._retry_delay = self.retry_s

@@ -26,7 +26,8 @@ rate-limited: a burst, then about one line per second, then a count of what was 
 
 Files: the lock and the trace are opened with :func:`crossover.scheduler.paths.open_own_file` (never
 through a symbolic link, only a plain file of ours with one link), as is the log by a worker that starts
-the daemon.
+the daemon; the trace's folder is opened with :func:`crossover.scheduler.paths.open_dir` (no symbolic link
+of another user on the way, no folder others may write to unless sticky).
 
 ``--trace FILE`` (or ``$CROSSOVER_SCHED_TRACE``) appends one JSON line per scheduling event (turn
 start / join / leave / end, lease expiry, connect / disconnect) with the wall-clock time ``t``.
@@ -51,7 +52,7 @@ import sys
 import time
 from typing import IO, Any, Sequence
 
-from crossover.scheduler import paths
+from crossover.scheduler import paths, settings
 from crossover.scheduler.policy import Grant, Scheduler, StateError
 from crossover.scheduler.protocol import CLIENT_OPS, HEADER, VERSION, Decoder, ProtocolError, encode
 
@@ -62,7 +63,10 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_S = 10.0
 DEFAULT_ALIGN_MS = 2.0
 DEFAULT_IDLE_EXIT_S = 60.0
+DEFAULT_NICE = -5
+_CPU_MASK_BITS = 1024  # CPU ids covered when resetting the affinity (beyond os.cpu_count(): ids may have holes)
 DEFAULT_HELLO_TIMEOUT_S = 5.0
+DEFAULT_READ_TIMEOUT_S = 2.0  # a frame (<= 4 KiB) goes in one send; 2 s covers a sender descheduled on a busy host
 MAX_CLIENTS = 1024
 FD_RESERVE = 32  # descriptors kept free for the daemon itself (listener, epoll, lock, log, trace, accept)
 ACCEPT_BATCH = 64  # connections accepted per wake-up at most, so that clients are served meanwhile
@@ -77,6 +81,10 @@ _UCRED = struct.Struct("3i")
 
 class _Stop(Exception):
     """Raised by the signal handler to leave the event loop."""
+
+
+class InternalError(RuntimeError):
+    """The daemon's own state is inconsistent (a bug): it exits, and the workers start a fresh one."""
 
 
 class _LogLimiter:
@@ -97,7 +105,7 @@ class _LogLimiter:
         st[1] = now
         return st
 
-    def log(self, kind: str, level: int, msg: str, *args: object) -> None:
+    def log(self, kind: str, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
         """Log ``msg % args`` unless ``kind`` is over its rate (then count it)."""
         st = self._refill(kind, time.monotonic())
         if st[0] < 1.0:
@@ -106,7 +114,7 @@ class _LogLimiter:
         st[0] -= 1.0
         if st[2]:
             self._report(kind, st)
-        self._log.log(level, msg, *args)
+        self._log.log(level, msg, *args, exc_info=exc_info)
 
     def _report(self, kind: str, st: list[float]) -> None:
         self._log.warning("%d more '%s' messages suppressed", int(st[2]), kind)
@@ -127,7 +135,8 @@ class _LogLimiter:
 
 
 class _Client:
-    __slots__ = ("cid", "sock", "decoder", "out", "said_hello", "peer_pid", "writing", "hello_deadline")
+    __slots__ = ("cid", "sock", "decoder", "out", "said_hello", "peer_pid", "writing", "hello_deadline",
+                 "read_deadline")
 
     def __init__(self, cid: int, sock: socket.socket, peer_pid: int) -> None:
         self.cid = cid
@@ -138,6 +147,7 @@ class _Client:
         self.peer_pid = peer_pid
         self.writing = False
         self.hello_deadline = 0.0
+        self.read_deadline = 0.0  # while part of a frame is held back: when the rest must have come
 
 
 def _fd_limit_cap(requested: int | None) -> int:
@@ -163,7 +173,11 @@ class Daemon:
 
     def __init__(self, directory: str, lease_s: float = DEFAULT_LEASE_S, align_s: float = DEFAULT_ALIGN_MS / 1e3,
                  idle_exit_s: float = DEFAULT_IDLE_EXIT_S, trace: str | None = None, *,
-                 hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S, max_clients: int | None = None) -> None:
+                 hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 max_clients: int | None = None) -> None:
+        settings.IDLE_EXIT_S.parse(idle_exit_s, "idle_exit_s")
+        settings.HELLO_TIMEOUT_S.parse(hello_timeout_s, "hello_timeout_s")
+        settings.READ_TIMEOUT_S.parse(read_timeout_s, "read_timeout_s")
         self.directory = paths.secure_dir(directory)
         self.sock_path = paths.socket_path(self.directory)
         self.idle_exit_s = idle_exit_s
@@ -180,6 +194,8 @@ class Daemon:
         self._idle_since = time.monotonic()
         self._uid = os.geteuid()
         self.hello_timeout_s = hello_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._partial: dict[int, _Client] = {}  # stopped in the middle of a frame, oldest first
         self.max_clients = _fd_limit_cap(max_clients)
         self._unwelcomed: dict[int, _Client] = {}  # not said hello yet, oldest first (= earliest deadline)
         self._accept_paused_until: float | None = None
@@ -219,7 +235,7 @@ class Daemon:
         if self.trace_path:
             # line-buffered: every event is on disk before the grant it announces is sent, even if the
             # daemon is killed right after (tests and post-mortems rely on it; off unless asked for)
-            tfd = paths.open_own_file(self.trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            tfd = paths.open_in_dir(self.trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "trace file")
             self._trace = os.fdopen(tfd, "a", buffering=1, encoding="utf-8")
         self._trace_event({"ev": "daemon_start", "lease_s": self.sched.lease_s, "align_s": self.sched.align_s})
         log.info("crossover scheduler daemon %d serving %s (lease %.3g s, align %.3g ms, idle exit %.3g s, "
@@ -296,6 +312,8 @@ class Daemon:
             times.append(self._idle_since + self.idle_exit_s - now)
         if self._unwelcomed:
             times.append(next(iter(self._unwelcomed.values())).hello_deadline - now)
+        if self._partial:
+            times.append(next(iter(self._partial.values())).read_deadline - now)
         if self._accept_paused_until is not None:
             times.append(self._accept_paused_until - now)
         flush = self._logs.next_flush()
@@ -310,6 +328,11 @@ class Daemon:
             if c.hello_deadline > now:
                 break
             self._close(c, f"no hello within {self.hello_timeout_s:.3g} s")
+        while self._partial:
+            c = next(iter(self._partial.values()))
+            if c.read_deadline > now:
+                break
+            self._close(c, f"stopped in the middle of a message for {self.read_timeout_s:.3g} s")
         if self._accept_paused_until is not None and now >= self._accept_paused_until and self._listener is not None:
             self._accept_paused_until = None
             self._sel.register(self._listener, selectors.EVENT_READ, None)
@@ -326,18 +349,20 @@ class Daemon:
         self._accept_paused_until = time.monotonic() + self._accept_backoff
 
     def _make_room(self) -> bool:
-        """Close the oldest connection that has not said hello yet; False when every connection has.
+        """Close the oldest connection that has not said hello yet, else the oldest one stopped in the middle
+        of a message; False when every connection is a served worker.
 
-        What a connection already sent is read first, so one whose hello waits in its buffer is served,
-        not evicted (it was accepted in the same batch as the newcomer).
+        What a connection already sent is read first, so one whose hello (or the rest of whose message)
+        waits in its buffer is served, not evicted (it was accepted in the same batch as the newcomer).
         """
-        for c in list(self._unwelcomed.values()):
-            self._read(c)
-            if c.cid not in self._clients:
-                return True  # it had closed (or sent garbage): room made
-            if c.cid in self._unwelcomed:
-                self._close(c, None, "evicted to make room: no hello yet and the daemon is full")
-                return True
+        for waiting, why in ((self._unwelcomed, "no hello yet"), (self._partial, "stopped in the middle of a message")):
+            for c in list(waiting.values()):
+                self._read(c)
+                if c.cid not in self._clients:
+                    return True  # it had closed (or sent garbage): room made
+                if c.cid in waiting:
+                    self._close(c, None, f"evicted to make room: {why} and the daemon is full")
+                    return True
         return False
 
     def _accept(self) -> None:
@@ -391,12 +416,39 @@ class Daemon:
             self._close(c, None)
             return
         try:
-            for msg in c.decoder.feed(data):
+            msgs = c.decoder.feed(data)
+            for msg in msgs:
                 self._handle(c, msg)
                 if c.cid not in self._clients:
                     return
         except (ProtocolError, StateError) as exc:
             self._close(c, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - one client's message must never stop the daemon
+            self._logs.log("internal error", logging.ERROR, "unexpected error handling a message of connection "
+                           "%d (pid %d): closing it", c.cid, c.peer_pid, exc_info=True)
+            self._close(c, f"internal error: {type(exc).__name__}")
+            self._check_state(f"an unexpected {type(exc).__name__} on connection {c.cid}")
+            return
+        self._note_partial(c, bool(msgs))
+
+    def _note_partial(self, c: _Client, progressed: bool) -> None:
+        """Start (or stop) the clock of a connection that holds part of a frame; a connection that completed a
+        message meanwhile gets a new clock (it is making progress)."""
+        if not c.decoder.pending:
+            self._partial.pop(c.cid, None)
+        elif c.cid not in self._partial or progressed:
+            self._partial.pop(c.cid, None)  # re-inserted last: the dict stays in deadline order
+            c.read_deadline = time.monotonic() + self.read_timeout_s
+            self._partial[c.cid] = c
+
+    def _check_state(self, after: str) -> None:
+        """After an unexpected error: go on only if the scheduler's state is still consistent, else stop (a bug
+        must not hand out wrong turns; workers start a fresh daemon)."""
+        try:
+            self.sched.check()
+        except AssertionError as exc:
+            raise InternalError(f"scheduler state inconsistent after {after}: {exc}") from exc
 
     def _handle(self, c: _Client, msg: dict[str, Any]) -> None:
         op = msg["op"]
@@ -481,6 +533,7 @@ class Daemon:
         if self._clients.pop(c.cid, None) is None:
             return
         self._unwelcomed.pop(c.cid, None)
+        self._partial.pop(c.cid, None)
         if error is not None:
             self._logs.log("closing connection", logging.WARNING, "closing connection %d (pid %d): %s",
                            c.cid, c.peer_pid, error)
@@ -513,12 +566,10 @@ class Daemon:
         self._trace.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    try:
-        return float(value) if value else default
-    except ValueError:
-        return default
+# option -> (environment variable, default): the command line wins, then the variable, then the default
+_ENV_DEFAULTS = {"lease": ("CROSSOVER_LEASE_S", DEFAULT_LEASE_S), "align_ms": ("CROSSOVER_ALIGN_MS", DEFAULT_ALIGN_MS),
+                 "idle_exit": ("CROSSOVER_SCHED_IDLE_EXIT", DEFAULT_IDLE_EXIT_S),
+                 "nice": ("CROSSOVER_SCHED_NICE", DEFAULT_NICE)}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -529,52 +580,83 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None,
                    help=f"directory of the socket (default: ${paths.DIR_ENV}, $XDG_RUNTIME_DIR/crossover or "
                         "/tmp/crossover-UID)")
-    p.add_argument("--lease", type=float, default=_env_float("CROSSOVER_LEASE_S", DEFAULT_LEASE_S),
-                   help="longest a waiter waits for a turn to end, in seconds (env CROSSOVER_LEASE_S; "
-                        "default %(default)s)")
-    p.add_argument("--align-ms", type=float, default=_env_float("CROSSOVER_ALIGN_MS", DEFAULT_ALIGN_MS),
-                   help="how long an idle device is held for the job that should go next, in ms "
-                        "(env CROSSOVER_ALIGN_MS; default %(default)s; 0 turns it off)")
-    p.add_argument("--idle-exit", type=float,
-                   default=_env_float("CROSSOVER_SCHED_IDLE_EXIT", DEFAULT_IDLE_EXIT_S),
-                   help="exit after this many seconds without connections (env CROSSOVER_SCHED_IDLE_EXIT; "
-                        "default %(default)s; 0: never)")
-    p.add_argument("--trace", default=os.environ.get("CROSSOVER_SCHED_TRACE") or None,
-                   help="append scheduling events as JSON lines to this file (env CROSSOVER_SCHED_TRACE)")
-    p.add_argument("--nice", type=int, default=int(_env_float("CROSSOVER_SCHED_NICE", -5)),
-                   help="add this to the daemon's nice value if allowed (env CROSSOVER_SCHED_NICE; "
-                        "default %(default)s: answer waiting workers quickly on a busy host; 0 keeps it)")
-    p.add_argument("--unpin", action="store_true", default=os.environ.get("CROSSOVER_SCHED_UNPIN") == "1",
-                   help="run on every core (env CROSSOVER_SCHED_UNPIN=1); by default the daemon keeps the CPU "
-                        "affinity of the worker that started it, so a daemon for a pinned core's workers runs on "
-                        "that core: a wake-up on the same core costs ~20 us here, across cores ~80 us")
-    p.add_argument("--hello-timeout", type=float, default=DEFAULT_HELLO_TIMEOUT_S,
+    p.add_argument("--lease", type=settings.LEASE_S.arg_type(), default=None,
+                   help=f"longest a waiter waits for a turn to end, in seconds (env CROSSOVER_LEASE_S; "
+                        f"default {DEFAULT_LEASE_S:g}; {settings.LEASE_S.range_text()})")
+    p.add_argument("--align-ms", type=settings.ALIGN_MS.arg_type(), default=None,
+                   help=f"how long an idle device is held for the job that should go next, in ms "
+                        f"(env CROSSOVER_ALIGN_MS; default {DEFAULT_ALIGN_MS:g}; 0 turns it off; "
+                        f"{settings.ALIGN_MS.range_text()})")
+    p.add_argument("--idle-exit", type=settings.IDLE_EXIT_S.arg_type(), default=None,
+                   help=f"exit after this many seconds without connections (env CROSSOVER_SCHED_IDLE_EXIT; "
+                        f"default {DEFAULT_IDLE_EXIT_S:g}; 0: never)")
+    p.add_argument("--trace", default=None,
+                   help="append scheduling events as JSON lines to this file (env CROSSOVER_SCHED_TRACE); its "
+                        "folder and the folders above must be this user's or root's and not writable by others "
+                        "unless sticky")
+    p.add_argument("--nice", type=settings.NICE.arg_type(), default=None,
+                   help=f"add this to the daemon's nice value if allowed (env CROSSOVER_SCHED_NICE; default "
+                        f"{DEFAULT_NICE}: answer waiting workers quickly on a busy host; 0 keeps it)")
+    p.add_argument("--keep-affinity", action="store_true",
+                   default=os.environ.get("CROSSOVER_SCHED_KEEP_AFFINITY") == "1",
+                   help="keep the CPU affinity the daemon was started with (env CROSSOVER_SCHED_KEEP_AFFINITY=1); "
+                        "by default it runs on every CPU this process may use, whatever the worker that started "
+                        "it was pinned to. Keeping it puts the daemon of a pinned core's workers on that core: "
+                        "a wake-up on the same core costs ~20 us here, across cores ~80 us")
+    p.add_argument("--unpin", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    p.add_argument("--hello-timeout", type=settings.HELLO_TIMEOUT_S.arg_type(), default=DEFAULT_HELLO_TIMEOUT_S,
                    help="close a connection that has not said hello within this many seconds (default %(default)s)")
+    p.add_argument("--read-timeout", type=settings.READ_TIMEOUT_S.arg_type(), default=DEFAULT_READ_TIMEOUT_S,
+                   help="close a connection that stops in the middle of a message for this many seconds "
+                        "(default %(default)s)")
     p.add_argument("--max-clients", type=int, default=None, help=argparse.SUPPRESS)  # tests: beyond the fd limit
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v: info (default), -vv: every turn")
     return p
 
 
+def _settings_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the options not given on the command line from their environment variables (usage error if bad)."""
+    checks = {"lease": settings.LEASE_S, "align_ms": settings.ALIGN_MS, "idle_exit": settings.IDLE_EXIT_S,
+              "nice": settings.NICE}
+    for dest, (var, default) in _ENV_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            try:
+                value = settings.from_env(var, checks[dest], default)
+            except settings.SettingError as exc:
+                parser.error(f"{exc} (environment variable)")
+            setattr(args, dest, int(value) if dest == "nice" else value)
+    if args.trace is None:
+        args.trace = os.environ.get("CROSSOVER_SCHED_TRACE") or None
+    if args.max_clients is not None and args.max_clients < 1:
+        parser.error("--max-clients must be at least 1")
+
+
+def _unpin() -> None:
+    """Run on every CPU this process may use (the kernel keeps only those its cpuset allows)."""
+    try:
+        os.sched_setaffinity(0, range(max(os.cpu_count() or 1, _CPU_MASK_BITS)))
+    except (AttributeError, OSError) as exc:
+        log.info("cannot reset the daemon's CPU affinity (%s); keeping %s", exc, sorted(os.sched_getaffinity(0)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: run one daemon in the foreground (exit 0 if another one already serves)."""
-    args = _build_parser().parse_args(argv)
-    if args.lease <= 0:
-        _build_parser().error("--lease must be > 0")
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    _settings_from_env(parser, args)
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
-    if args.unpin:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    if not args.keep_affinity:
+        _unpin()
     if args.nice:
         try:  # a tiny, latency-bound process: let it run first when a worker waits for it
             os.setpriority(os.PRIO_PROCESS, 0, max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + args.nice)))
         except OSError as exc:
             log.info("cannot change the daemon's priority (%s); keeping it", exc)
-    if args.hello_timeout <= 0:
-        _build_parser().error("--hello-timeout must be > 0")
     try:
         daemon = Daemon(args.dir or paths.default_dir(), args.lease, args.align_ms / 1e3, args.idle_exit, args.trace,
-                        hello_timeout_s=args.hello_timeout, max_clients=args.max_clients)
+                        hello_timeout_s=args.hello_timeout, read_timeout_s=args.read_timeout,
+                        max_clients=args.max_clients)
         started = daemon.start()
     except (paths.SchedulerDirError, OSError) as exc:
         log.error("cannot serve: %s", exc)
@@ -585,6 +667,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     try:
         daemon.serve_forever()
+    except InternalError as exc:
+        log.error("%s; exiting so that a fresh daemon takes over", exc)
+        return 70
     finally:
         daemon.close()
     return 0

@@ -19,6 +19,7 @@ a symbolic link and refuses a file that is not a plain file of ours with a singl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -27,7 +28,8 @@ import socket
 import stat
 
 __all__ = ["DIR_ENV", "SOCKET_NAME", "LOCK_NAME", "LOG_NAME", "SchedulerDirError", "default_dir",
-           "expand", "secure_dir", "socket_path", "host_name", "open_own_file", "check_parent", "check_trusted"]
+           "expand", "secure_dir", "socket_path", "host_name", "open_own_file", "check_parent", "check_trusted",
+           "open_dir", "open_in_dir", "fd_path"]
 
 log = logging.getLogger(__name__)
 
@@ -110,30 +112,97 @@ def secure_dir(path: str | None = None) -> str:
     return path
 
 
-def check_trusted(path: str, what: str) -> None:
-    """Refuse a directory that another user could change: ``path`` (resolved) and each of its ancestors must
-    belong to this user or root and not be writable by group or others unless sticky (like ``/tmp``).
+_MAX_SYMLINKS = 40  # as the kernel's own limit on symbolic links followed in one path
 
+
+def _dir_flags() -> int:
+    return os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_dir_fd(fd: int, shown: str, what: str) -> None:
+    st = os.fstat(fd)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SchedulerDirError(f"{shown} ({what}) belongs to uid {st.st_uid}, not to this user ({os.geteuid()}) "
+                                f"or root: that user could plant or replace files there; choose a directory of "
+                                f"your own")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise SchedulerDirError(f"{shown} ({what}) can be written by other users (mode {stat.S_IMODE(st.st_mode):o}, "
+                                f"no sticky bit): they could plant or replace files there; choose a directory of "
+                                f"your own")
+
+
+def open_dir(path: str, what: str, *, create: bool = False, mode: int = 0o700) -> int:
+    """Open the directory ``path`` for reading and writing files relative to it; returns its descriptor.
+
+    The path is walked from ``/`` one component at a time, each opened with ``O_DIRECTORY | O_NOFOLLOW``
+    relative to the one before and checked on its descriptor: it must belong to this user or root and not
+    be writable by group or others unless sticky (like ``/tmp``). A symbolic link on the way is followed
+    only when it belongs to this user or root (a link another user made in a sticky directory could be
+    pointed anywhere at any time). The result cannot be swapped afterwards: files are then opened relative
+    to the descriptor (``dir_fd=``). With ``create``, missing directories are made with ``mode``.
     Raises :class:`SchedulerDirError` naming the culprit and ``what`` it is.
     """
-    cur = os.path.realpath(path)
-    while True:
-        try:
-            st = os.stat(cur)
-        except OSError as exc:
-            raise SchedulerDirError(f"cannot check {cur} ({what}): {exc}") from None
-        if st.st_uid not in (os.geteuid(), 0):
-            raise SchedulerDirError(f"{cur} ({what}) belongs to uid {st.st_uid}, not to this user ({os.geteuid()}) "
-                                    f"or root: that user could plant or replace files there; choose a directory "
-                                    f"of your own")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise SchedulerDirError(f"{cur} ({what}) can be written by other users (mode "
-                                    f"{stat.S_IMODE(st.st_mode):o}, no sticky bit): they could plant or replace "
-                                    f"files there; choose a directory of your own")
-        parent = os.path.dirname(cur)
-        if parent == cur:
-            return
-        cur = parent
+    todo = [x for x in os.path.abspath(path).split("/") if x]
+    todo.reverse()  # a stack: the next component last
+    fd = os.open("/", _dir_flags())
+    shown, links = "/", 0
+    try:
+        _check_dir_fd(fd, shown, what)
+        while todo:
+            name = todo.pop()
+            if name == ".":
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create or name == "..":
+                    raise SchedulerDirError(f"{os.path.join(shown, name)} ({what}) does not exist") from None
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode, dir_fd=fd)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            here = os.path.normpath(os.path.join(shown, name))
+            if stat.S_ISLNK(st.st_mode):
+                if st.st_uid not in (os.geteuid(), 0):
+                    raise SchedulerDirError(f"{here} ({what}) is a symbolic link that belongs to uid {st.st_uid}, not "
+                                            f"to this user ({os.geteuid()}) or root: that user could point it "
+                                            f"anywhere at any time; use the real path or a directory of your own")
+                links += 1
+                if links > _MAX_SYMLINKS:
+                    raise SchedulerDirError(f"{path} ({what}): too many symbolic links")
+                target = os.readlink(name, dir_fd=fd)
+                todo.extend(reversed([x for x in target.split("/") if x]))
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = -1
+                    fd = os.open("/", _dir_flags())
+                    shown = "/"
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise SchedulerDirError(f"{here} ({what}) is not a directory")
+            new = os.open(name, _dir_flags(), dir_fd=fd)
+            os.close(fd)
+            fd = new
+            shown = here
+            _check_dir_fd(fd, shown, what)
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        raise SchedulerDirError(f"cannot open {path} ({what}): {exc}") from None
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
+
+
+def fd_path(fd: int) -> str:
+    """The path the kernel knows for an open directory (symbolic links resolved)."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def check_trusted(path: str, what: str) -> None:
+    """Refuse a directory that another user could change (see :func:`open_dir`, which walks it)."""
+    os.close(open_dir(path, what))
 
 
 def check_parent(path: str, what: str) -> None:
@@ -141,22 +210,35 @@ def check_parent(path: str, what: str) -> None:
     check_trusted(os.path.dirname(os.path.abspath(path)), f"parent of the {what} {path}")
 
 
-def open_own_file(path: str, flags: int, mode: int = 0o600) -> int:
+def open_in_dir(path: str, flags: int, what: str, mode: int = 0o600) -> int:
+    """:func:`open_own_file` for ``path`` inside a directory opened with :func:`open_dir` (which see)."""
+    dfd = open_dir(os.path.dirname(os.path.abspath(path)) or "/", f"folder of the {what}")
+    try:
+        return open_own_file(os.path.basename(path), flags, mode, dir_fd=dfd, shown=path)
+    finally:
+        os.close(dfd)
+
+
+def open_own_file(path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None,
+                  shown: str | None = None) -> int:
     """``os.open`` for a file in a directory another user may once have written to; returns the descriptor.
 
     Never follows a symbolic link (``O_NOFOLLOW``), never blocks on a FIFO, and refuses (with
     :class:`SchedulerDirError` naming the file and what to do) anything but a plain file owned by this
     user with a single hard link. Add ``O_CREAT | O_EXCL`` for a file that must be new; ``O_TRUNC`` is
-    applied only once the file passed those checks.
+    applied only once the file passed those checks. ``dir_fd``: ``path`` is relative to that directory
+    (``shown`` names the file in messages).
     """
     truncate = bool(flags & os.O_TRUNC)
     try:
-        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode, dir_fd=dir_fd)
     except OSError as exc:
+        path = shown or path
         if exc.errno == errno.ELOOP:
             raise SchedulerDirError(f"{path} is a symbolic link; crossover never writes through one: "
                                     f"remove it") from None
         raise
+    path = shown or path
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -27,8 +27,11 @@ Rules (docs/scheduler.md has the reasoning):
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from crossover.scheduler import settings
 
 __all__ = ["Grant", "Scheduler", "StateError"]
 
@@ -103,10 +106,8 @@ class Scheduler:
 
     def __init__(self, lease_s: float = 10.0, align_s: float = 0.002,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
-        if lease_s <= 0:
-            raise ValueError("lease_s must be > 0")
-        self.lease_s = lease_s
-        self.align_s = max(0.0, align_s)
+        self.lease_s = settings.LEASE_S.parse(lease_s, "lease_s")
+        self.align_s = settings.ALIGN_MS.parse(align_s * 1e3, "align_s (in ms)") / 1e3
         self.on_event = on_event
         self._conns: dict[int, _Conn] = {}
         self._devices: dict[str, _Device] = {}
@@ -118,6 +119,10 @@ class Scheduler:
         """Register connection ``conn`` as worker ``member`` of ``job``."""
         if conn in self._conns:
             raise StateError("hello sent twice")
+        try:
+            weight = settings.WEIGHT.parse(weight)
+        except settings.SettingError as exc:
+            raise StateError(str(exc)) from None
         self._conns[conn] = _Conn(job, member, weight, pid)
         self._weights[job] = weight
 
@@ -255,6 +260,20 @@ class Scheduler:
             jobs.setdefault(c.job, []).append(c.member)
         return {"devices": devices, "jobs": {j: sorted(m) for j, m in sorted(jobs.items())},
                 "connections": len(self._conns), "lease_s": self.lease_s, "align_s": self.align_s}
+
+    def check(self) -> None:
+        """Assert the invariants of the state (after an unexpected error: is it still safe to go on?)."""
+        for cid, c in self._conns.items():
+            for name in c.devices:
+                assert name in self._devices and cid in self._devices[name].users, f"conn {cid} lost device {name}"
+            assert c.job in self._weights, f"job {c.job} has no weight"
+        for name, d in self._devices.items():
+            assert d.name == name, f"device {name} filed as {d.name}"
+            for cid in d.users | d.expired | {r.conn for r in d.waiters}:
+                assert cid in self._conns and name in self._conns[cid].devices, f"{name}: unknown conn {cid}"
+            if d.turn is not None:
+                assert d.turn.holders <= d.users, f"{name}: a holder is not a user"
+            assert all(math.isfinite(v) for v in d.vtime.values()), f"{name}: virtual time not finite"
 
     # ------------------------------------------------------------------ internals
 

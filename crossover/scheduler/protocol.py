@@ -4,8 +4,9 @@ A frame is a 4-byte big-endian length ``N`` (1 <= N <= :data:`MAX_MESSAGE`) foll
 UTF-8 JSON holding one object. Every object has an ``"op"`` and exactly the fields its op lists in
 :data:`CLIENT_OPS` (client to daemon) or :data:`SERVER_OPS` (daemon to client), with exactly those
 types: no missing, extra or duplicate keys, no NaN/Infinity, booleans are not integers, integers lie
-in ``[0, 2**53)``, strings are 1..:data:`MAX_STR` printable characters. Anything else raises
-:class:`ProtocolError`; the daemon then closes that one connection.
+in ``[0, 2**53)``, numbers are finite and ``>= 0`` (the weight in ``[1e-3, 1e3]``), strings are
+1..:data:`MAX_STR` printable characters. Anything else raises :class:`ProtocolError`; the daemon then
+closes that one connection.
 
 Conversation (see docs/scheduler.md)::
 
@@ -28,6 +29,8 @@ import json
 import math
 import struct
 from typing import Any
+
+from crossover.scheduler.settings import WEIGHT, SettingError
 
 __all__ = ["VERSION", "MAX_MESSAGE", "MAX_STR", "CLIENT_OPS", "SERVER_OPS", "ProtocolError", "encode",
            "Decoder", "validate"]
@@ -53,7 +56,7 @@ SERVER_OPS: dict[str, dict[str, type]] = {
     "status": {"id": int, "state": dict},
     "error": {"msg": str},
 }
-MAX_WEIGHT = 1000.0
+MIN_WEIGHT, MAX_WEIGHT = WEIGHT.lo, WEIGHT.hi
 _MAX_ERROR = 1000
 
 
@@ -76,10 +79,14 @@ def _check_field(op: str, key: str, kind: type, value: Any) -> None:
         if not 0 <= value < MAX_INT:
             raise ProtocolError(f"{op}.{key}: integer out of range")
     elif kind is float:
-        if type(value) not in (int, float):
+        if type(value) is int:  # compared as an integer: float() of a 400-digit one raises OverflowError
+            if not 0 <= value < MAX_INT:
+                raise ProtocolError(f"{op}.{key}: number out of range (allowed 0..2**53)")
+        elif type(value) is float:
+            if not math.isfinite(value) or value < 0:
+                raise ProtocolError(f"{op}.{key}: number must be finite and >= 0")
+        else:
             raise ProtocolError(f"{op}.{key}: expected a number, got {type(value).__name__}")
-        if not math.isfinite(value) or value < 0:
-            raise ProtocolError(f"{op}.{key}: number must be finite and >= 0")
     elif kind is str:
         if type(value) is not str:
             raise ProtocolError(f"{op}.{key}: expected a string, got {type(value).__name__}")
@@ -108,8 +115,10 @@ def validate(msg: Any, ops: dict[str, dict[str, type]]) -> dict[str, Any]:
     if op == "hello":
         if msg["v"] != VERSION:
             raise ProtocolError(f"hello: protocol version {msg['v']} (this daemon speaks {VERSION})")
-        if not 0 < msg["weight"] <= MAX_WEIGHT:
-            raise ProtocolError(f"hello: weight must be in (0, {MAX_WEIGHT:g}]")
+        try:
+            WEIGHT.parse(msg["weight"], "hello: weight")
+        except SettingError as exc:
+            raise ProtocolError(str(exc)) from None
     return msg
 
 
@@ -117,7 +126,10 @@ def encode(msg: dict[str, Any], ops: dict[str, dict[str, type]] | None = None) -
     """One frame for ``msg`` (validated against ``ops`` when given)."""
     if ops is not None:
         validate(msg, ops)
-    body = _ENCODER.encode(msg).encode("utf-8")
+    try:
+        body = _ENCODER.encode(msg).encode("utf-8")
+    except (ValueError, TypeError) as exc:  # NaN/Infinity or a non-JSON value: a bug of the sender
+        raise ProtocolError(f"cannot encode {msg.get('op')!r}: {exc}") from None
     if len(body) > MAX_MESSAGE:
         raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
     return HEADER.pack(len(body)) + body
@@ -149,7 +161,9 @@ def _parse(body: bytes) -> Any:
         return _DECODER.decode(text)
     except RecursionError:
         raise ProtocolError("JSON nested too deeply") from None
-    except json.JSONDecodeError as exc:
+    except ProtocolError:
+        raise
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
         raise ProtocolError(f"invalid JSON: {exc}") from None
 
 

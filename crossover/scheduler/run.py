@@ -1,17 +1,20 @@
 """``crossover-run``: launch several Horovod jobs that take turns on the devices they share.
 
+    crossover-run job1.py job2.py
     crossover-run -np 2 -H host1:1,host2:1 job1.py --lr 0.1 -- job2.py --epochs 5
 
-Horovod's options come once, before the first job, and apply to every job; jobs are separated by
-``--``. Each job is launched by its own ``horovodrun`` (so each gets its own rendezvous port) as
-``python -m horovod_ext.launch SCRIPT ARGS`` with ``CROSSOVER_SCHED=1`` and its job name in
-the environment; on every host the first worker starts the scheduler daemon. Output lines are
-prefixed with ``[jobN]``. At the end it writes a Chrome-trace timeline of all jobs and prints a
-summary (per-job step time split into compute / waiting for the device / waiting for communication,
-per-device busy fraction and overlap). With ``--telemetry-dir DIR`` every run gets its own new
-sub-directory ``DIR/run-<date>-<time>-<pid>`` (two runs sharing ``DIR`` never mix); ``DIR`` and its
-ancestors must belong to this user or root and not be writable by others unless sticky (as ``/tmp``),
-and the reports are never written through a symbolic link. See docs/scheduler.md.
+Horovod's options come once, before the first job, and apply to every job (the command line and the
+jobs it names: :mod:`crossover.scheduler.plan`). Each job is launched by its own ``horovodrun`` (so each
+gets its own rendezvous port) as ``python -m horovod_ext.launch SCRIPT ARGS`` with ``CROSSOVER_SCHED=1``
+and its job name in the environment; on every host the first worker starts the scheduler daemon. Output
+lines are prefixed with ``[name]``, and a progress line per job (steps, turns, rate, from the workers'
+telemetry) is redrawn on a terminal or printed every ``--progress-every`` seconds elsewhere. At the end it
+writes a Chrome-trace timeline of all jobs, prints a summary (per-job step time split into compute /
+waiting for the device / waiting for communication, per-device busy fraction and overlap), and on request
+a PNG of the turns (``--plot``) and TensorBoard scalars (``--tensorboard``). With ``--telemetry-dir DIR``
+every run gets its own new sub-directory ``DIR/run-<date>-<time>-<pid>``; without it a temporary folder
+is used and removed at exit. Every folder written to is opened and checked at start
+(:mod:`crossover.scheduler.outputs`). See docs/scheduler.md.
 
 Exit status: 0 when every job succeeded; otherwise the first failed job's exit status (1 if it died
 from a signal); 2 for a bad command line; 130 after Ctrl-C (every job is stopped).
@@ -20,228 +23,31 @@ from a signal); 2 for a bad command line; 130 after Ctrl-C (every job is stopped
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import IO, Sequence
 
 from crossover import procgroup
-from crossover.scheduler import paths, telemetry
+from crossover.scheduler import outputs, paths, telemetry
+from crossover.scheduler.plan import Job, UsageError, build_parser, plan_jobs
+from crossover.scheduler.progress import Console, JobProgress, TelemetryTail, format_jobs
 
-__all__ = ["main", "build_parser", "Job", "plan_jobs", "new_run_dir"]
+__all__ = ["main", "build_parser", "Job", "plan_jobs", "UsageError"]
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PYTHON_RE = re.compile(r"^python[0-9.]*$")
-
-EPILOG = """\
-jobs:
-  A job is SCRIPT [ARGS...] or -m MODULE [ARGS...] (optionally preceded by a python interpreter);
-  separate jobs with --. Every job is an ordinary Horovod script; with the stock
-  hvd.DistributedOptimizer it takes turns on the device with no code change (custom loops:
-  `with horovod_ext.scheduling.crossover_turn(): ...`).
-
-examples:
-  crossover-run -np 2 -H host1:1,host2:1 job1.py --lr 0.1 -- job2.py --epochs 5
-  crossover-run -np 2 -H localhost:2 --gloo train.py -- train.py --seed 1
-  crossover-run --dry-run -np 4 --hostfile hosts.txt a.py -- b.py -- c.py
-  crossover-run --no-crossover -np 2 a.py -- b.py      # same jobs at once, no scheduler (baseline)
-
-environment of every rank (set by crossover-run):
-  CROSSOVER_SCHED=1, CROSSOVER_JOB=jobN, CROSSOVER_JOB_WEIGHT, CROSSOVER_TELEMETRY_DIR and, when
-  given, CROSSOVER_LEASE_S, CROSSOVER_ALIGN_MS, CROSSOVER_DEVICE, CROSSOVER_SCHED_DIR.
-"""
+TTY_REDRAW_S = 0.5  # the terminal's progress line: redrawn twice a second
 
 
-class UsageError(Exception):
-    """A command line that cannot be run (reported like argparse errors, exit status 2)."""
-
-
-@dataclass
-class Job:
-    """One job: its name, the user's command, and what crossover-run will execute."""
-
-    name: str
-    user_cmd: list[str]
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)  # variables added to the environment
-    proc: subprocess.Popen[bytes] | None = None
-    returncode: int | None = None
-    started: float = 0.0
-    ended: float = 0.0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``crossover-run`` argument parser (for the part before the first ``--``)."""
-    p = argparse.ArgumentParser(
-        prog="crossover-run",
-        usage="crossover-run [options] -np N [horovodrun options] JOB [ARGS...] [-- JOB [ARGS...] ...]",
-        description="Run several Horovod jobs at once; on every host the workers of different jobs that share "
-                    "a device take turns on it: while one job waits on its gradient allreduce, another "
-                    "computes (crossover scheduling).",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    h = p.add_argument_group("horovodrun options (given once, passed to every job's horovodrun)")
-    h.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="ranks per job")
-    h.add_argument("-H", "--hosts", help="host1:slots,host2:slots (as horovodrun)")
-    h.add_argument("--hostfile", "-hostfile", dest="hostfile", help="host file (as horovodrun)")
-    ctl = h.add_mutually_exclusive_group()
-    ctl.add_argument("--gloo", action="store_true", help="use the Gloo controller")
-    ctl.add_argument("--mpi", action="store_true", help="use MPI")
-    h.add_argument("--network-interfaces", "--network-interface", dest="network_interfaces",
-                   help="network interfaces to use (as horovodrun)")
-    h.add_argument("-p", "--ssh-port", type=int, help="ssh port of the remote hosts")
-    h.add_argument("-i", "--ssh-identity-file", help="ssh identity file")
-    h.add_argument("--start-timeout", type=int, help="seconds to wait for all ranks to start")
-    h.add_argument("--disable-cache", action="store_true", help="do not cache horovodrun's host checks")
-    h.add_argument("--tcp", action="store_true", help="TCP only (as horovodrun)")
-    h.add_argument("--log-level", help="Horovod log level (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL)")
-    h.add_argument("--cycle-time-ms", type=float,
-                   help="Horovod cycle time; on CPU devices 5 keeps idle ranks from using half a core each")
-    h.add_argument("--verbose", action="store_true", help="verbose horovodrun output")
-    h.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
-                   help="any other horovodrun argument, passed as is (repeat for several)")
-    x = p.add_argument_group("crossover options")
-    x.add_argument("--no-crossover", action="store_true",
-                   help="run the jobs at the same time without the scheduler (baseline)")
-    x.add_argument("--dry-run", action="store_true", help="print the commands and exit")
-    x.add_argument("--fail-fast", action="store_true", help="stop every job as soon as one fails")
-    x.add_argument("--names", help="comma-separated job names (default job0,job1,...); the same on every host")
-    x.add_argument("--weights", help="comma-separated job weights (default 1 each): a job of weight 2 gets "
-                                     "two turns per turn of a weight-1 job when they compete")
-    x.add_argument("--lease", type=float, help="seconds a waiting job waits at most for a turn to end "
-                                               "(daemon default 10)")
-    x.add_argument("--align-ms", type=float, help="ms an idle device is held for the job due next (default 2)")
-    x.add_argument("--device", help="device id for every rank (default: CUDA device, cpuN if pinned, else cpu)")
-    x.add_argument("--sched-dir", help="scheduler directory on every host ({host}, {uid} are expanded)")
-    x.add_argument("--telemetry-dir", help="telemetry goes to a new sub-directory run-DATE-TIME-PID of this folder "
-                                          "(default: a new temporary folder)")
-    x.add_argument("--timeline", help="write the merged Chrome trace here (default: TELEMETRY_DIR/timeline.json)")
-    x.add_argument("--no-summary", action="store_true", help="do not print the telemetry summary")
-    x.add_argument("--grace", type=float, default=10.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping jobs (default %(default)s)")
-    x.add_argument("--python", default=sys.executable, help="interpreter for the jobs (default: %(default)s)")
-    x.add_argument("--horovodrun", default=None, help="horovodrun executable (default: next to --python)")
-    p.add_argument("job", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return p
-
-
-def _split(argv: Sequence[str]) -> list[list[str]]:
-    segments: list[list[str]] = [[]]
-    for tok in argv:
-        if tok == "--":
-            segments.append([])
-        else:
-            segments[-1].append(tok)
-    return segments
-
-
-def _horovodrun_args(a: argparse.Namespace) -> list[str]:
-    out = ["-np", str(a.np)]
-    for flag, value in (("-H", a.hosts), ("--hostfile", a.hostfile), ("--network-interfaces", a.network_interfaces),
-                        ("-p", a.ssh_port), ("-i", a.ssh_identity_file), ("--start-timeout", a.start_timeout),
-                        ("--log-level", a.log_level), ("--cycle-time-ms", a.cycle_time_ms)):
-        if value is not None:
-            out += [flag, str(value)]
-    for flag, on in (("--gloo", a.gloo), ("--mpi", a.mpi), ("--disable-cache", a.disable_cache),
-                     ("--tcp", a.tcp), ("--verbose", a.verbose)):
-        if on:
-            out.append(flag)
-    return out + list(a.horovodrun_arg)
-
-
-def _job_command(tokens: list[str], index: int, python: str, crossover: bool) -> list[str]:
-    """The interpreter command for one job, checked; raises :class:`UsageError`."""
-    if not tokens:
-        raise UsageError(f"job {index} is empty (two -- in a row?)")
-    if _PYTHON_RE.match(os.path.basename(tokens[0])):
-        python, tokens = tokens[0], tokens[1:]
-        if not tokens:
-            raise UsageError(f"job {index}: interpreter without a script")
-    wrapper = ["-m", "horovod_ext.launch"] if crossover else []
-    if tokens[0] == "-m":
-        if len(tokens) < 2 or tokens[1].startswith("-"):
-            raise UsageError(f"job {index}: -m needs a module name")
-        return [python, *wrapper, *tokens]
-    if tokens[0].startswith("-"):
-        raise UsageError(f"unrecognized option {tokens[0]!r} (job {index} must start with a script or -m MODULE; "
-                         "crossover-run and horovodrun options go before the first job)")
-    if not os.path.isfile(tokens[0]):
-        raise UsageError(f"job {index}: no such script: {tokens[0]}")
-    return [python, *wrapper, *tokens]
-
-
-def _float_list(text: str | None, n: int, what: str) -> list[float]:
-    if text is None:
-        return [1.0] * n
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--{what}: not a list of numbers: {text!r}") from None
-    if len(values) != n or any(not 0 < v <= 1000 for v in values):
-        raise UsageError(f"--{what}: need {n} numbers in (0, 1000], got {text!r}")
-    return values
-
-
-def plan_jobs(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
-              ) -> tuple[argparse.Namespace, list[Job]]:
-    """Parse a command line into options and jobs (commands and environments). Usage errors exit 2."""
-    parser = parser or build_parser()
-    segments = _split(argv)
-    args = parser.parse_args(segments[0])
-    job_tokens = ([args.job] if args.job else []) + segments[1:]
-    try:
-        if not job_tokens:
-            raise UsageError("no job given (put a script after the options)")
-        if args.np < 1:
-            raise UsageError("-np must be at least 1")
-        n = len(job_tokens)
-        names = args.names.split(",") if args.names else [f"job{i}" for i in range(n)]
-        if len(names) != n or len(set(names)) != n or not all(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", x) for x in names):
-            raise UsageError(f"--names: need {n} distinct names of letters, digits, _ . -")
-        weights = _float_list(args.weights, n, "weights")
-        if args.lease is not None and args.lease <= 0:
-            raise UsageError("--lease must be > 0")
-        crossover = not args.no_crossover
-        horovodrun = args.horovodrun or _default_horovodrun(args.python)
-        hvd_args = _horovodrun_args(args)
-        jobs = []
-        for i, (tokens, name, weight) in enumerate(zip(job_tokens, names, weights)):
-            cmd = _job_command(list(tokens), i, args.python, crossover)
-            env = {"PYTHONPATH": os.pathsep.join(x for x in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if x)}
-            if crossover:
-                env.update(CROSSOVER_SCHED="1", CROSSOVER_JOB=name, CROSSOVER_JOB_WEIGHT=f"{weight:g}")
-                for var, value in (("CROSSOVER_LEASE_S", args.lease), ("CROSSOVER_ALIGN_MS", args.align_ms),
-                                   ("CROSSOVER_DEVICE", args.device), ("CROSSOVER_SCHED_DIR", args.sched_dir)):
-                    if value is not None:
-                        env[var] = str(value)
-            else:
-                env["CROSSOVER_SCHED"] = "0"
-            jobs.append(Job(name, list(tokens), [horovodrun, *hvd_args, *cmd], env))
-    except UsageError as exc:
-        parser.error(str(exc))
-    return args, jobs
-
-
-def _default_horovodrun(python: str) -> str:
-    candidate = os.path.join(os.path.dirname(python), "horovodrun")
-    return candidate if os.path.exists(candidate) else (shutil.which("horovodrun") or "horovodrun")
-
-
-def _pump(job: Job, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+def _pump(job: Job, stream: IO[bytes], console: Console) -> None:
     prefix = f"[{job.name}] "
     for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", "replace").rstrip("\n")
-        with lock:
-            out.write(prefix + line + "\n")
-            out.flush()
+        console.line(prefix + raw.decode("utf-8", "replace").rstrip("\n"))
     stream.close()
 
 
@@ -262,19 +68,48 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
+class _Progress:
+    """The progress line(s): job states from the processes, steps and turns from the telemetry."""
+
+    def __init__(self, jobs: list[Job], console: Console, tail: TelemetryTail | None, every: float) -> None:
+        self.jobs = jobs
+        self.console = console
+        self.tail = tail
+        self.every = TTY_REDRAW_S if console.tty else every
+        self.started = time.monotonic()
+        self._next = self.started + (TTY_REDRAW_S if console.tty else every)
+
+    def tick(self, now: float, force: bool = False) -> None:
+        if now < self._next and not force:
+            return
+        self._next = now + self.every
+        seen = self.tail.poll() if self.tail is not None else {}
+        states: dict[str, str | JobProgress] = {}
+        for j in self.jobs:
+            got = seen.get(j.name)
+            if j.returncode is not None:
+                states[j.name] = f"exited {j.returncode}" + (f" after {got.steps} steps" if got else "")
+            elif got is not None:
+                states[j.name] = got
+            else:
+                states[j.name] = "starting" if self.tail is not None else "running"
+        elapsed = f"{now - self.started:.0f} s"
+        if self.console.tty:
+            self.console.status(f"[{elapsed}] {format_jobs(states)}")
+        else:
+            self.console.status(f"crossover-run: progress at {elapsed}: {format_jobs(states)}")
+
+
+def _run(jobs: list[Job], fail_fast: bool, grace: float, progress: _Progress | None, console: Console) -> int | None:
     """Start all jobs, relay output, wait. Returns None normally, or the exit status after an interrupt."""
-    lock = threading.Lock()
     pumps = []
     try:
         for j in jobs:
-            env = dict(os.environ)
-            env.update(j.env)
             j.started = time.monotonic()
-            j.proc = procgroup.start(j.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            j.proc = procgroup.start(j.argv, env=j.full_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT)
             assert j.proc.stdout is not None
-            t = threading.Thread(target=_pump, args=(j, j.proc.stdout, sys.stdout, lock), daemon=True)
+            t = threading.Thread(target=_pump, args=(j, j.proc.stdout, console), daemon=True)
             t.start()
             pumps.append(t)
         while True:
@@ -287,18 +122,17 @@ def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
                         alive = True
                         continue
                     j.returncode, j.ended = code, time.monotonic()
-                    with lock:
-                        sys.stdout.write(f"crossover-run: {j.name} exited with {code} after "
-                                         f"{j.ended - j.started:.1f} s\n")
-                        sys.stdout.flush()
+                    console.line(f"crossover-run: {j.name} exited with {code} after {j.ended - j.started:.1f} s")
                     if code != 0 and fail_fast:
-                        with lock:
-                            sys.stdout.write("crossover-run: --fail-fast: stopping the other jobs\n")
+                        console.line("crossover-run: --fail-fast: stopping the other jobs")
                         _stop(jobs, grace)
             if not alive:
                 break
+            if progress is not None:
+                progress.tick(time.monotonic())
             time.sleep(0.05)
     except (KeyboardInterrupt, _Terminated) as exc:
+        console.clear()
         sys.stderr.write("crossover-run: interrupted; stopping every job\n")
         _stop(jobs, grace)
         return 130 if isinstance(exc, KeyboardInterrupt) else 143
@@ -309,53 +143,87 @@ def _run(jobs: list[Job], fail_fast: bool, grace: float) -> int | None:
                 j.ended = time.monotonic()
         for t in pumps:
             t.join(timeout=2.0)
+    if progress is not None and not console.tty:
+        progress.tick(time.monotonic(), force=True)  # the last figures, once
+    console.clear()
     return None
 
 
-def new_run_dir(base: str) -> str:
-    """Create this run's own telemetry directory ``base/run-<date>-<time>-<pid>`` and return its path.
+class _Outputs:
+    """Every place the run writes to, opened (and checked) before any job starts; closed at exit."""
 
-    ``base`` is created if missing; it must be trusted (:func:`crossover.scheduler.paths.check_trusted`:
-    ours or root's, not writable by others unless sticky, the same for its ancestors), else
-    :class:`~crossover.scheduler.paths.SchedulerDirError`. The sub-directory is new (``mkdir`` fails on
-    anything that exists), so nothing of another run or user is in it.
-    """
-    base = os.path.abspath(base)
-    try:
-        os.makedirs(base, exist_ok=True)
-    except OSError as exc:
-        raise paths.SchedulerDirError(f"cannot create the telemetry directory {base}: {exc}") from None
-    paths.check_trusted(base, "--telemetry-dir")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        run_dir = os.path.join(os.path.realpath(base), f"run-{stamp}-{os.getpid()}" + (f"-{n}" if n else ""))
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.run_dir: outputs.RunDir | None = None
+        self.timeline: outputs.OutputFile | None = None
+        self.plot: outputs.OutputFile | None = None
+        self.tensorboard: outputs.OutputDir | None = None
         try:
-            os.mkdir(run_dir, 0o755)
-            return run_dir
-        except FileExistsError:
-            continue
-    raise paths.SchedulerDirError(f"cannot create a new run directory in {base}")
+            self.run_dir = outputs.RunDir.new(args.telemetry_dir)
+            if args.timeline:
+                self.timeline = outputs.OutputFile(args.timeline, "--timeline")
+            if args.plot:
+                self.plot = outputs.OutputFile(args.plot, "--plot")
+            if args.tensorboard:
+                self.tensorboard = outputs.OutputDir(args.tensorboard, "--tensorboard")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for out in (self.timeline, self.plot, self.tensorboard):
+            if out is not None:
+                out.close()
+        if self.run_dir is not None:
+            self.run_dir.remove()  # a temporary folder only; --telemetry-dir's run directory stays
+            self.run_dir.close()
 
 
-def _write_report(path: str, text: str) -> None:
-    """Write one report file: never through a symbolic link, never into another user's file."""
-    fd = paths.open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def _report(args: argparse.Namespace, jobs: list[Job], telemetry_dir: str) -> None:
-    streams = telemetry.load(telemetry_dir) if os.path.isdir(telemetry_dir) else []
+def _report(args: argparse.Namespace, out: _Outputs) -> None:
+    run_dir = out.run_dir
+    assert run_dir is not None
+    streams = telemetry.load(run_dir.path, dir_fd=run_dir.fd)
     if not streams:
-        sys.stdout.write(f"crossover-run: no telemetry in {telemetry_dir}\n")
+        sys.stdout.write(f"crossover-run: no telemetry in {run_dir.path}\n")
         return
-    timeline = args.timeline or os.path.join(telemetry_dir, "timeline.json")
-    _write_report(timeline, json.dumps(telemetry.chrome_trace(streams)))
+    trace = json.dumps(telemetry.chrome_trace(streams)).encode()
+    wrote = []
+    if out.timeline is not None:
+        out.timeline.write(trace)
+        wrote.append(f"timeline (Chrome trace) {out.timeline.path}")
+    elif not run_dir.temporary:
+        wrote.append(f"timeline (Chrome trace) {run_dir.write('timeline.json', trace)}")
     summary = telemetry.summarize(streams)
-    _write_report(os.path.join(telemetry_dir, "summary.json"), json.dumps(summary, indent=1))
+    if not run_dir.temporary:
+        run_dir.write("summary.json", json.dumps(summary, indent=1).encode())
     if not args.no_summary:
         sys.stdout.write("\n" + telemetry.format_summary(summary) + "\n")
-    sys.stdout.write(f"crossover-run: timeline (Chrome trace) {timeline}\n")
+    if out.plot is not None:
+        from crossover.scheduler import plot
+
+        with out.plot.open() as f:
+            plot.plot_timeline(streams, f)
+        wrote.append(f"turns plot {out.plot.path}")
+    if out.tensorboard is not None:
+        from crossover.scheduler import tboard
+
+        tboard.write_scalars(out.tensorboard, streams)
+        wrote.append(f"TensorBoard scalars in {out.tensorboard.path} (tensorboard --logdir {out.tensorboard.path})")
+    if run_dir.temporary:
+        wrote.append("telemetry removed at exit (--telemetry-dir DIR keeps it)")
+    for line in wrote:
+        sys.stdout.write(f"crossover-run: {line}\n")
+
+
+def _check_extras(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--plot and --tensorboard need their package, and the scheduler's telemetry: say so before any job starts."""
+    for opt, value, module, pkg in (("--plot", args.plot, "matplotlib", "matplotlib"),
+                                    ("--tensorboard", args.tensorboard, "tensorboard", "tensorboard")):
+        if value is None:
+            continue
+        if args.no_crossover:
+            parser.error(f"{opt} draws from the scheduler's telemetry, which --no-crossover does not record")
+        if importlib.util.find_spec(module) is None:
+            parser.error(f"{opt} needs the {pkg} package: pip install {pkg}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -363,43 +231,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, jobs = plan_jobs(argv, parser)
+    _check_extras(args, parser)
     crossover = not args.no_crossover
-    telemetry_dir = ""
-    if crossover:
-        if args.dry_run:
-            telemetry_dir = (os.path.join(os.path.abspath(args.telemetry_dir), "run-DATE-TIME-PID")
-                             if args.telemetry_dir else "<temporary folder>")
-        elif args.telemetry_dir:
-            try:
-                telemetry_dir = new_run_dir(args.telemetry_dir)
-            except paths.SchedulerDirError as exc:
-                parser.error(str(exc))
-        else:
-            telemetry_dir = tempfile.mkdtemp(prefix="crossover-run-")
-        for j in jobs:
-            j.env["CROSSOVER_TELEMETRY_DIR"] = telemetry_dir
+    if args.np_reason != "given":
+        sys.stderr.write(f"crossover-run: -np not given: {args.np_reason}; pass -np N to choose\n")
     if args.dry_run:
+        telemetry_dir = (os.path.join(os.path.abspath(args.telemetry_dir), "run-DATE-TIME-PID")
+                         if args.telemetry_dir else "<temporary folder>")
         for j in jobs:
+            if crossover:
+                j.env["CROSSOVER_TELEMETRY_DIR"] = telemetry_dir
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(j.env.items()))
             sys.stdout.write(f"{j.name}: {env} {shlex.join(j.argv)}\n")
         return 0
+    out: _Outputs | None = None
     if crossover:
-        sys.stdout.write(f"crossover-run: telemetry in {telemetry_dir}\n")
+        try:  # every folder written to is opened (and checked) now, before any job starts
+            out = _Outputs(args)
+        except paths.SchedulerDirError as exc:
+            parser.error(str(exc))
+        assert out.run_dir is not None
+        for j in jobs:
+            j.env["CROSSOVER_TELEMETRY_DIR"] = out.run_dir.path
+        sys.stdout.write(f"crossover-run: {len(jobs)} jobs ({', '.join(j.name for j in jobs)}), {args.np} rank(s) "
+                         f"each; telemetry in {out.run_dir.path}\n")
         sys.stdout.flush()
+    try:
+        return _run_and_report(args, jobs, out)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _run_and_report(args: argparse.Namespace, jobs: list[Job], out: _Outputs | None) -> int:
+    """Run the jobs, then report from their telemetry; the exit status."""
+    console = Console(sys.stdout, sys.stdout.isatty())
+    tail = TelemetryTail(out.run_dir.fd) if out is not None and out.run_dir is not None else None
+    progress = None if args.no_progress else _Progress(jobs, console, tail, args.progress_every)
     # Explicit handlers: a process started in the background by a non-interactive shell inherits SIGINT
     # ignored, and Python then never raises KeyboardInterrupt; `kill -INT` must still stop every job.
     old = signal.signal(signal.SIGTERM, _on_sigterm)
     old_int = signal.signal(signal.SIGINT, _on_sigint)
     try:
-        interrupted = _run(jobs, args.fail_fast, args.grace)
+        interrupted = _run(jobs, args.fail_fast, args.grace, progress, console)
     finally:
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, old_int)
+        if tail is not None:
+            tail.close()
     if interrupted is not None:
         return interrupted
-    if crossover:
+    if out is not None:
         try:
-            _report(args, jobs, telemetry_dir)
+            _report(args, out)
         except (OSError, ValueError, KeyError, paths.SchedulerDirError) as exc:
             sys.stdout.write(f"crossover-run: could not summarize telemetry: {exc}\n")
     codes = {j.name: j.returncode for j in jobs}
@@ -409,7 +293,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     first = failed[0]
     return first if first is not None and 0 < first < 126 else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

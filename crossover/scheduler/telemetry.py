@@ -1,8 +1,9 @@
 """Telemetry of crossover turns: per-worker JSON-lines files, a merged Chrome trace, a summary.
 
-Each worker (:class:`Recorder`) writes a new file ``<dir>/<job>.<member>.<pid>.jsonl`` (created with
-``O_EXCL | O_NOFOLLOW``: never an existing file, never through a symbolic link; ``.<n>`` is added to the
-name if that one exists):
+Each worker (:class:`Recorder`) writes a new file ``<dir>/<job>.<member>.<pid>.jsonl``, mode 0600 (created
+with ``O_EXCL | O_NOFOLLOW`` relative to the directory opened by :func:`crossover.scheduler.paths.open_dir`:
+never an existing file, never through a symbolic link, never in a folder another user could swap; ``.<n>``
+is added to the name if that one exists):
 
 * one ``{"type": "meta", "job", "member", "host", "dev", "pid"}`` line first;
 * ``{"type": "span", "name", "t0", "t1"}`` for every interval, ``name`` one of ``compute`` (the worker
@@ -20,6 +21,7 @@ name if that one exists):
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -29,8 +31,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from crossover.scheduler import paths
+
 __all__ = ["Recorder", "Stream", "load", "chrome_trace", "summarize", "format_summary", "merge_intervals",
-           "intersect_length", "SPAN_NAMES"]
+           "intersect_length", "step_figures", "SPAN_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +53,24 @@ class Recorder:
     """
 
     def __init__(self, directory: str, job: str, member: str, host: str, dev: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        base = os.path.join(directory, f"{_safe(job)}.{_safe(member)}.{os.getpid()}")
+        base = f"{_safe(job)}.{_safe(member)}.{os.getpid()}"
         self._pid = os.getpid()
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self._fd: int | None = None
-        for n in range(100):  # a new file of our own: never one that exists (planted, or an earlier session's)
-            self.path = f"{base}.{n}.jsonl" if n else f"{base}.jsonl"
-            try:
-                self._fd = os.open(self.path, flags, 0o644)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(f"telemetry: {base}.jsonl and 99 others exist")
+        dfd = paths.open_dir(directory, "telemetry directory", create=True)  # SchedulerDirError if not safe
+        try:
+            for n in range(100):  # a new file of our own: never one that exists (planted, or an earlier session's)
+                name = f"{base}.{n}.jsonl" if n else f"{base}.jsonl"
+                self.path = os.path.join(directory, name)
+                try:
+                    self._fd = os.open(name, flags, 0o600, dir_fd=dfd)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError(f"telemetry: {base}.jsonl and 99 others exist in {directory}")
+        finally:
+            os.close(dfd)
         self._lines: list[str] = []
         self._write({"type": "meta", "job": job, "member": member, "host": host, "dev": dev, "pid": os.getpid()})
 
@@ -122,25 +130,27 @@ class Stream:
         return f"{self.host}/{self.dev}"
 
 
-def _open_plain(path: str, flags: int) -> int:
+def _open_plain(path: str, flags: int, dir_fd: int | None = None) -> int:
     """Open a regular file, never through a symbolic link or on a FIFO (raises OSError otherwise)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"{path} is not a regular file")
     return fd
 
 
-def load(directory: str) -> list[Stream]:
-    """Read every ``*.jsonl`` telemetry file in ``directory`` (ignores torn last lines; skips, with a
-    warning, what is not a regular file: a symbolic link is never followed)."""
+def load(directory: str, dir_fd: int | None = None) -> list[Stream]:
+    """Read every ``*.jsonl`` telemetry file in ``directory`` (or in the open directory ``dir_fd``; then
+    ``directory`` only names it in messages). Ignores torn last lines; skips, with a warning, what is not a
+    regular file: a symbolic link is never followed."""
     streams = []
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(os.listdir(directory if dir_fd is None else dir_fd)):
         if not name.endswith(".jsonl"):
             continue
         stream: Stream | None = None
         try:
-            fd = _open_plain(os.path.join(directory, name), os.O_RDONLY)
+            fd = (_open_plain(os.path.join(directory, name), os.O_RDONLY) if dir_fd is None
+                  else _open_plain(name, os.O_RDONLY, dir_fd))
         except OSError as exc:
             log.warning("telemetry: skipping %s: %s", os.path.join(directory, name), exc)
             continue
@@ -264,6 +274,51 @@ def summarize(streams: list[Stream]) -> dict[str, Any]:
                         "overlap": hidden / comm_total if comm_total > 0 else 0.0,
                         "compute_collision_s": collide}
     return {"jobs": jobs, "devices": devices}
+
+
+def _clip(ivs: list[Interval], ends: list[float], lo: float, hi: float) -> list[Interval]:
+    """The parts of the merged, sorted intervals ``ivs`` (``ends``: their ends) inside ``[lo, hi]``."""
+    out = []
+    for a, b in ivs[bisect.bisect_right(ends, lo):]:
+        if a >= hi:
+            break
+        if b > lo:
+            out.append((max(a, lo), min(b, hi)))
+    return out
+
+
+def step_figures(streams: list[Stream]) -> dict[str, list[dict[str, float]]]:
+    """Per job and step (from the job's worker with the most steps, on its device): ``step``, ``t`` (its end),
+    ``step_s``, ``compute_s``, ``wait_for_turn_s``, ``comm_wait_s``, ``busy`` (share of the step during which
+    some job computed on the device) and ``overlap`` (share of the job's communication wait in the step
+    during which another job computed on the device; 0 without a wait)."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for job in sorted({s.job for s in streams}):
+        ref = max((s for s in streams if s.job == job), key=lambda s: (len(s.steps), s.member))
+        on_dev = [s for s in streams if s.device_key == ref.device_key]
+        busy = merge_intervals(iv for s in on_dev for iv in s.spans["compute"])
+        others = merge_intervals(iv for s in on_dev if s.job != job for iv in s.spans["compute"])
+        comm = merge_intervals(ref.spans["wait_comm"])
+        ends = {id(x): [b for _, b in x] for x in (busy, others, comm)}
+        first = min((a for ivs in ref.spans.values() for a, _ in ivs), default=None)
+        rows = []
+        prev = first
+        for st in ref.steps:
+            t = float(st["t"])
+            lo = t - (st["compute"] + st["wait_device"] + st["wait_comm"]) if prev is None else prev
+            prev = t
+            length = t - lo
+            if length <= 0:
+                continue
+            waits = _clip(comm, ends[id(comm)], lo, t)
+            wait_len = _length(waits)
+            rows.append({"step": int(st["step"]), "t": t, "step_s": length, "compute_s": float(st["compute"]),
+                         "wait_for_turn_s": float(st["wait_device"]), "comm_wait_s": float(st["wait_comm"]),
+                         "busy": min(1.0, _length(_clip(busy, ends[id(busy)], lo, t)) / length),
+                         "overlap": (intersect_length(waits, _clip(others, ends[id(others)], lo, t)) / wait_len
+                                     if wait_len > 0 else 0.0)})
+        out[job] = rows
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
