@@ -16,13 +16,10 @@ than :data:`OUT_LIMIT` bytes queued) and one that has not said hello within ``--
 Whatever a connection held or waited for is given up when it closes, so a worker that dies releases its
 device at once.
 
-Descriptors: the daemon raises its soft ``RLIMIT_NOFILE`` as far as the hard limit allows (up to what it
-needs) and serves at most :data:`MAX_CLIENTS` connections, fewer when the limit is lower, keeping
-:data:`FD_RESERVE` descriptors free. When full, a new connection takes the place of the oldest one that
-has not said hello yet (so idle connections cannot lock a real worker out), else it is refused. If
-``accept`` fails anyway (``EMFILE``/``ENFILE``), the daemon stops accepting for a while (10 ms doubling to
-1 s) instead of spinning. Repetitive log lines (refusals, closed connections, accept failures) are
-rate-limited: a burst, then about one line per second, then a count of what was left out.
+Descriptors, CPUs and log floods: ``daemon_support.py``. At most ``MAX_CLIENTS`` connections are served;
+when full, a new connection takes the place of the oldest one that has not said hello yet (so idle
+connections cannot lock a real worker out), else it is refused. If ``accept`` fails anyway
+(``EMFILE``/``ENFILE``), the daemon stops accepting for a while (10 ms doubling to 1 s) instead of spinning.
 
 Files: the lock and the trace are opened with :func:`crossover.scheduler.paths.open_own_file` (never
 through a symbolic link, only a plain file of ours with one link), as is the log by a worker that starts
@@ -43,7 +40,6 @@ import gc
 import json
 import logging
 import os
-import resource
 import selectors
 import signal
 import socket
@@ -53,6 +49,7 @@ import time
 from typing import IO, Any, Sequence
 
 from crossover.scheduler import paths, settings
+from crossover.scheduler.daemon_support import LogLimiter, fd_limit_cap, unpin
 from crossover.scheduler.policy import Grant, Scheduler, StateError
 from crossover.scheduler.protocol import CLIENT_OPS, HEADER, VERSION, Decoder, ProtocolError, encode
 
@@ -64,16 +61,11 @@ DEFAULT_LEASE_S = 10.0
 DEFAULT_ALIGN_MS = 2.0
 DEFAULT_IDLE_EXIT_S = 60.0
 DEFAULT_NICE = -5
-_CPU_MASK_BITS = 1024  # CPU ids covered when resetting the affinity (beyond os.cpu_count(): ids may have holes)
 DEFAULT_HELLO_TIMEOUT_S = 5.0
 DEFAULT_READ_TIMEOUT_S = 2.0  # a frame (<= 4 KiB) goes in one send; 2 s covers a sender descheduled on a busy host
-MAX_CLIENTS = 1024
-FD_RESERVE = 32  # descriptors kept free for the daemon itself (listener, epoll, lock, log, trace, accept)
 ACCEPT_BATCH = 64  # connections accepted per wake-up at most, so that clients are served meanwhile
 ACCEPT_BACKOFF_MIN_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
-LOG_BURST = 20
-LOG_PER_S = 1.0
 OUT_LIMIT = 64 * 1024
 RECV_SIZE = 65536
 _UCRED = struct.Struct("3i")
@@ -85,53 +77,6 @@ class _Stop(Exception):
 
 class InternalError(RuntimeError):
     """The daemon's own state is inconsistent (a bug): it exits, and the workers start a fresh one."""
-
-
-class _LogLimiter:
-    """Rate-limited logging per kind of message: ``burst`` lines at once, then ``per_s`` lines per second;
-    what is left out is counted and reported as one line ("N more 'KIND' messages suppressed")."""
-
-    def __init__(self, logger: logging.Logger, burst: int = LOG_BURST, per_s: float = LOG_PER_S) -> None:
-        self._log = logger
-        self.burst = float(burst)
-        self.per_s = per_s
-        self._state: dict[str, list[float]] = {}  # kind -> [tokens, last refill, suppressed]
-
-    def _refill(self, kind: str, now: float) -> list[float]:
-        st = self._state.get(kind)
-        if st is None:
-            st = self._state[kind] = [self.burst, now, 0.0]
-        st[0] = min(self.burst, st[0] + (now - st[1]) * self.per_s)
-        st[1] = now
-        return st
-
-    def log(self, kind: str, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
-        """Log ``msg % args`` unless ``kind`` is over its rate (then count it)."""
-        st = self._refill(kind, time.monotonic())
-        if st[0] < 1.0:
-            st[2] += 1
-            return
-        st[0] -= 1.0
-        if st[2]:
-            self._report(kind, st)
-        self._log.log(level, msg, *args, exc_info=exc_info)
-
-    def _report(self, kind: str, st: list[float]) -> None:
-        self._log.warning("%d more '%s' messages suppressed", int(st[2]), kind)
-        st[2] = 0.0
-
-    def next_flush(self) -> float | None:
-        """When a count of left-out lines is due (monotonic time), or None."""
-        due = [st[1] + max(0.0, 1.0 - st[0]) / self.per_s for st in self._state.values() if st[2]]
-        return min(due, default=None)
-
-    def flush(self, now: float, force: bool = False) -> None:
-        """Report the counts of left-out lines that are due (all of them with ``force``)."""
-        for kind in list(self._state):
-            st = self._refill(kind, now)
-            if st[2] and (force or st[0] >= 1.0):
-                st[0] = max(0.0, st[0] - 1.0)
-                self._report(kind, st)
 
 
 class _Client:
@@ -148,24 +93,6 @@ class _Client:
         self.writing = False
         self.hello_deadline = 0.0
         self.read_deadline = 0.0  # while part of a frame is held back: when the rest must have come
-
-
-def _fd_limit_cap(requested: int | None) -> int:
-    """How many connections to serve: raise the soft descriptor limit if the hard one allows, keep a reserve."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = MAX_CLIENTS + FD_RESERVE
-    if soft != resource.RLIM_INFINITY and soft < want and (hard == resource.RLIM_INFINITY or hard > soft):
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            soft = new
-        except (ValueError, OSError):
-            pass
-    if requested is not None:  # tests: exercise what happens beyond the descriptor limit
-        return max(1, requested)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CLIENTS
-    return max(1, min(MAX_CLIENTS, soft - min(FD_RESERVE, soft // 2)))
 
 
 class Daemon:
@@ -196,11 +123,11 @@ class Daemon:
         self.hello_timeout_s = hello_timeout_s
         self.read_timeout_s = read_timeout_s
         self._partial: dict[int, _Client] = {}  # stopped in the middle of a frame, oldest first
-        self.max_clients = _fd_limit_cap(max_clients)
+        self.max_clients = fd_limit_cap(max_clients)
         self._unwelcomed: dict[int, _Client] = {}  # not said hello yet, oldest first (= earliest deadline)
         self._accept_paused_until: float | None = None
         self._accept_backoff = 0.0
-        self._logs = _LogLimiter(log)
+        self._logs = LogLimiter(log)
 
     # ------------------------------------------------------------------ start / stop
 
@@ -631,14 +558,6 @@ def _settings_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("--max-clients must be at least 1")
 
 
-def _unpin() -> None:
-    """Run on every CPU this process may use (the kernel keeps only those its cpuset allows)."""
-    try:
-        os.sched_setaffinity(0, range(max(os.cpu_count() or 1, _CPU_MASK_BITS)))
-    except (AttributeError, OSError) as exc:
-        log.info("cannot reset the daemon's CPU affinity (%s); keeping %s", exc, sorted(os.sched_getaffinity(0)))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: run one daemon in the foreground (exit 0 if another one already serves)."""
     parser = _build_parser()
@@ -647,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
     if not args.keep_affinity:
-        _unpin()
+        unpin()
     if args.nice:
         try:  # a tiny, latency-bound process: let it run first when a worker waits for it
             os.setpriority(os.PRIO_PROCESS, 0, max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + args.nice)))
