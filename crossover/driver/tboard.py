@@ -37,6 +37,7 @@ log = logging.getLogger("crossover.driver")
 
 PREFIX = "crossover/"
 FLUSH_S = 5.0  # TensorBoard reloads event files every 5 s by default: flushing more often shows nothing sooner
+JOIN_S = 30.0  # at exit, how long to wait for a writer that is stuck (a hung network filesystem)
 MAX_QUEUED = 200_000  # steps queued while the writer is stuck, at most (~40 MB); the oldest go first beyond
 
 _TYPE_ERROR = ("tensorboard= must be a directory (a str or path: rank 0 writes an event file there) or a writer "
@@ -263,8 +264,8 @@ class _Sink:
                 except Exception:
                     pass
 
-    def close(self) -> None:
-        self.stop.set()
+    def finish(self) -> None:
+        """The last drain and the close; run by the thread once `stop` is set."""
         self.drain()
         with self.lock:
             if not self.dead:
@@ -273,14 +274,20 @@ class _Sink:
                     self.out.close()
                 except Exception as exc:
                     log.warning("crossover: TensorBoard logging to %s: closing failed: %s", self.what, exc)
+
+    def close(self) -> None:
+        """Stop the thread, which writes what is queued and closes; wait for it (unless called on it: a
+        garbage collection may run a finalizer there, and the loop then ends by itself)."""
+        self.stop.set()
         t = self.thread
         if t is not None and t is not threading.current_thread():
-            t.join(timeout=FLUSH_S)
+            t.join(timeout=JOIN_S)
 
 
 def _flush_loop(sink: _Sink) -> None:
     while not sink.stop.wait(FLUSH_S):
         sink.drain()
+    sink.finish()
 
 
 class TensorBoardLog:
