@@ -284,7 +284,8 @@ def worker(cfg: dict[str, Any]) -> None:
                 "wall_s": time.perf_counter() - t_start, "train_s": m.clock.total, "wire_bytes": int(wire.item()),
                 "methods_side_by_side": [x.name for x in methods]}
         if m.hook_state is not None and hasattr(m.hook_state, "stats"):
-            meta["compression_stats"] = {k: v for k, v in m.hook_state.stats().items() if k != "policy"}
+            meta["compression_stats"] = {k: v for k, v in m.hook_state.stats().items()
+                                             if not k.startswith("policy/")}
         if me:
             out = Path(cfg["outs"][m.name])
             out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def train_digits(compression: Any = None, epochs: int = 20, batch_size: int = 32
             "dense_bytes": dense_bytes_per_step * steps, "seconds": elapsed,
             "parameters": sum(p.numel() for p in model.parameters()), "weights_checksum": weights_sum,
             "bytes_sent": stats["bytes_sent"] if stats else dense_bytes_per_step * steps,
-            "compression": {k: v for k, v in stats.items() if k != "policy"} if stats else None,
+            "compression": {k: v for k, v in stats.items() if not k.startswith("policy/")} if stats else None,
             "last3_accuracy": sum(h["test_accuracy"] for h in history[-3:]) / len(history[-3:])}
 
 

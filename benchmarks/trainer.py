@@ -272,7 +272,7 @@ class _Training:
         self.meta["train_s"] = self.train_s
         if hasattr(self.compression, "stats"):
             st = self.compression.stats()
-            self.meta["compression_stats"] = {k: v for k, v in st.items() if k != "policy"}
+            self.meta["compression_stats"] = {k: v for k, v in st.items() if not k.startswith("policy/")}
         self.save(True)
 
 

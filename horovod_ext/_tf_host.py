@@ -194,6 +194,11 @@ class TFHookBase(metaclass=CompressionType):
             out["bytes_sent"], out["bytes_dense"] = self._bytes_now()
             return out
 
+    def close_tensorboard(self) -> None:
+        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
+        with self._lock:
+            self.driver.close_tensorboard()
+
     def _residuals_state(self) -> dict[str, np.ndarray]:
         out = {k: v.numpy().copy() for k, v in self._residuals.items()}
         out.update({k: v.copy() for k, v in self._pending_residuals.items() if k not in out})

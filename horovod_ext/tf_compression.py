@@ -99,14 +99,15 @@ class _SparseCompression(TFHookBase):
     _plan_len = 5  # [send_cf, floor_cf, candidate_cf, step, previous step time]
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
-                 seed: int, log_csv: str | None, passthrough: bool = False) -> None:
+                 seed: int, log_csv: str | None, passthrough: bool = False, tensorboard: Any = None) -> None:
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)} with horovod.tensorflow "
                              f"(dgc and redsync have torch kernels only); got {compressor!r}")
         super().__init__(min_compress_numel=min_compress_numel, error_feedback=error_feedback, seed=seed)
         self.compressor = compressor
         self.shared_indices = compressor == "randomk"
-        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank)
+        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
+                                       tensorboard=tensorboard)
         self.log_csv = log_csv
         self._passthrough_all = passthrough  # compression off: Horovod's dense path, untouched
 
@@ -284,14 +285,16 @@ class GravacCompression(_SparseCompression):
     window, gain, search, cf_step, reopen_drift, warmup_steps, ewma_alpha, scaling); what is not given
     keeps the policy's default, so `AdaptiveCompression()` is exactly the policy's defaults (docs/gravac.md).
     Same settings as the torch object (docs/compression.md); `compressor` is "topk" (exact top-k,
-    allgather) or "randomk" (shared seed, allreduce). `enabled=False`: Horovod's dense path, untouched.
+    allgather) or "randomk" (shared seed, allreduce). `enabled=False`: Horovod's dense path, untouched
+    (nothing is logged then). `tensorboard`: a directory (rank 0 writes) or a writer with add_scalar.
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
-                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, **gravac: Any) -> None:
+                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
+                 **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv, passthrough=not enabled)
+                         seed=seed, log_csv=log_csv, passthrough=not enabled, tensorboard=tensorboard)
         self.enabled = bool(enabled)
 
 
@@ -299,10 +302,11 @@ class StaticCompression(_SparseCompression):
     """A fixed compression factor: `StaticCompression("topk", cf=100)` is static top-k at 1 %."""
 
     def __init__(self, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
-                 min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None) -> None:
+                 min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None,
+                 tensorboard: Any = None) -> None:
         pol = StaticPolicy(cf=cf)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv, passthrough=pol.plan().send_cf == 1.0)
+                         seed=seed, log_csv=log_csv, passthrough=pol.plan().send_cf == 1.0, tensorboard=tensorboard)
 
 
 class AdaptiveCompression(AdaptiveFacade):

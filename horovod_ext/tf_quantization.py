@@ -208,13 +208,15 @@ class _QuantizedBase(TFHookBase):
 
 
 class QSGDCompression(_QuantizedBase):
-    """Static QSGD: `bits` per element (2 = TernGrad-style ternary), stochastic rounding, max-norm scale."""
+    """Static QSGD: `bits` per element (2 = TernGrad-style ternary), stochastic rounding, max-norm scale.
+    `tensorboard`: as DqsgdCompression's."""
 
     def __init__(self, bits: int = 8, *, error_feedback: bool = False, min_compress_numel: int = 16384,
-                 seed: int = 0, transport: str = "auto") -> None:
+                 seed: int = 0, transport: str = "auto", tensorboard: Any = None) -> None:
         self.fixed_bits = bits
-        super().__init__(QuantStepDriver(bits=bits), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, transport=transport, b_max=bits)
+        super().__init__(QuantStepDriver(bits=bits, tensorboard=tensorboard, rank=hvd.rank),
+                         error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
+                         transport=transport, b_max=bits)
 
 
 class DqsgdCompression(_QuantizedBase):
@@ -223,12 +225,13 @@ class DqsgdCompression(_QuantizedBase):
     total_steps (required): the horizon T. lr (required with TensorFlow, Horovod does not pass the
     optimizer): a number, a callable step -> lr, or a Keras optimizer whose `learning_rate` (a value
     or a schedule of `iterations`) is read every step. error_budget=None calibrates on the first step.
+    tensorboard: a directory (rank 0 writes) or a writer with add_scalar (docs/tensorflow.md).
     """
 
     def __init__(self, *, total_steps: int, lr: LR = None, error_budget: float | None = None,
                  target_bits: int = 6, b_min: int = 2, b_max: int = 8, decay: float = 0.999,
                  error_feedback: bool = False, min_compress_numel: int = 16384, seed: int = 0,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", tensorboard: Any = None) -> None:
         if lr is None:
             raise ValueError("DQ-SGD needs the learning rate: with horovod.tensorflow pass lr= (a number, a "
                              "callable step -> lr, or the Keras optimizer to read it from)")
@@ -240,8 +243,9 @@ class DqsgdCompression(_QuantizedBase):
         settings = dqsgd_settings(total_steps=total_steps, lr=None if optimizer_lr else lr, error_budget=error_budget,
                                   target_bits=target_bits, b_min=b_min, b_max=b_max, decay=decay)
         self.total_steps, self.lr, self.target_bits = total_steps, lr, target_bits
-        super().__init__(QuantStepDriver(bits=target_bits, dqsgd=settings), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, transport=transport, b_max=b_max)
+        super().__init__(QuantStepDriver(bits=target_bits, dqsgd=settings, tensorboard=tensorboard, rank=hvd.rank),
+                         error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
+                         transport=transport, b_max=b_max)
 
     @property
     def policy(self) -> Any:

@@ -41,11 +41,12 @@ class _SparseCompression(TorchHookBase):
     """A CF policy driving a sparsifying codec: the shared body of GraVAC and static compression."""
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
-                 seed: int, log_csv: str | None) -> None:
+                 seed: int, log_csv: str | None, tensorboard: Any = None) -> None:
         super().__init__(min_compress_numel=min_compress_numel)
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
                                  grad_norms=bool(getattr(policy, "needs_grad_norms", False)))
-        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank)
+        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
+                                       tensorboard=tensorboard)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.log_csv = log_csv
@@ -85,8 +86,12 @@ class _SparseCompression(TorchHookBase):
 
     # ------------------------------------------------------------------ telemetry and state
     def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense."""
+        """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense; flat (`policy/...`)."""
         return self.driver.stats()
+
+    def close_tensorboard(self) -> None:
+        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
+        self.driver.close_tensorboard()
 
     def state_dict(self, include_residuals: bool = True) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule."""
@@ -135,14 +140,16 @@ class GravacCompression(_SparseCompression):
     keeps the policy's default, so `AdaptiveCompression()` is exactly the policy's defaults (docs/gravac.md).
     `enabled=False` turns compression off (exact dense allreduce). `min_compress_numel`: smaller
     tensors (biases, norms) go dense. `log_csv`: a path (`{rank}` allowed; one file per rank) that gets
-    one row per step.
+    one row per step. `tensorboard`: a directory (rank 0 writes) or a SummaryWriter that gets per-step
+    scalars under `crossover/` (docs/compression.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
-                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, **gravac: Any) -> None:
+                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
+                 **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv)
+                         seed=seed, log_csv=log_csv, tensorboard=tensorboard)
         self.enabled = bool(enabled)
 
 
@@ -150,9 +157,10 @@ class StaticCompression(_SparseCompression):
     """A fixed compression factor: `StaticCompression("topk", cf=100)` is static top-k at 1 %."""
 
     def __init__(self, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
-                 min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None) -> None:
+                 min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None,
+                 tensorboard: Any = None) -> None:
         super().__init__(compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, tensorboard=tensorboard)
 
 
 class AdaptiveCompression(AdaptiveFacade):

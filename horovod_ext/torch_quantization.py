@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
+import horovod.torch as hvd
 import torch
 
 from crossover.compression.quant_codec import TRANSPORTS, QuantCodec, choose_quant_transport
@@ -67,8 +68,12 @@ class _QuantizedCompression(TorchHookBase):
         self.driver.reset()
 
     def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank, with the bits of the step in flight."""
+        """Cumulative telemetry of this rank, with the bits of the step in flight; flat (`policy/...`)."""
         return self.driver.stats()
+
+    def close_tensorboard(self) -> None:
+        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
+        self.driver.close_tensorboard()
 
     def state_dict(self) -> dict[str, Any]:
         """Policy (with its calibrated budget), step counter, residuals."""
@@ -84,13 +89,15 @@ class _QuantizedCompression(TorchHookBase):
 
 
 class QSGDCompression(_QuantizedCompression):
-    """Static QSGD: `bits` per element (2 = TernGrad-style ternary), stochastic rounding, max-norm scale."""
+    """Static QSGD: `bits` per element (2 = TernGrad-style ternary), stochastic rounding, max-norm scale.
+    `tensorboard`: as DqsgdCompression's."""
 
     def __init__(self, bits: int = 8, *, error_feedback: bool = False, min_compress_numel: int = 16384,
-                 seed: int = 0, transport: str = "auto") -> None:
+                 seed: int = 0, transport: str = "auto", tensorboard: Any = None) -> None:
         self.fixed_bits = bits
-        super().__init__(QuantStepDriver(bits=bits), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, transport=transport)
+        super().__init__(QuantStepDriver(bits=bits, tensorboard=tensorboard, rank=hvd.rank),
+                         error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
+                         transport=transport)
 
 
 class DqsgdCompression(_QuantizedCompression):
@@ -99,18 +106,20 @@ class DqsgdCompression(_QuantizedCompression):
     total_steps (required): the training horizon T. lr: a number, a callable step -> lr, or None to
     read the optimizer's `param_groups[0]["lr"]` each step. error_budget: the bound's quantization
     budget; None calibrates it on the first step so that the last step would use `target_bits`
-    at the first step's gradient norm and learning rate (docs/dqsgd.md).
+    at the first step's gradient norm and learning rate (docs/dqsgd.md). tensorboard: a directory (rank 0
+    writes) or a SummaryWriter that gets per-step scalars under `crossover/` (docs/compression.md).
     """
 
     def __init__(self, *, total_steps: int, lr: LR = None, error_budget: float | None = None,
                  target_bits: int = 6, b_min: int = 2, b_max: int = 8, decay: float = 0.999,
                  error_feedback: bool = False, min_compress_numel: int = 16384, seed: int = 0,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", tensorboard: Any = None) -> None:
         settings = dqsgd_settings(total_steps=total_steps, lr=lr, error_budget=error_budget, target_bits=target_bits,
                                   b_min=b_min, b_max=b_max, decay=decay)
         self.total_steps, self.lr, self.target_bits = total_steps, lr, target_bits
-        super().__init__(QuantStepDriver(bits=target_bits, dqsgd=settings), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, transport=transport)
+        super().__init__(QuantStepDriver(bits=target_bits, dqsgd=settings, tensorboard=tensorboard, rank=hvd.rank),
+                         error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
+                         transport=transport)
 
     @property
     def policy(self) -> Any:

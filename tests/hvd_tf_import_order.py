@@ -66,7 +66,8 @@ def main() -> None:
         early_cfs.append(early.stats()["compression_factor"])
     result = {"torch_imported": "torch" in sys.modules,
               "modules": {"early": _module_of(early), "late": _module_of(late), "qsgd": _module_of(qsgd)},
-              "errors": errors, "early_stats": {k: v for k, v in early.stats().items() if k != "policy"},
+              "errors": errors, "early_stats": {k: v for k, v in early.stats().items()
+                                               if not k.startswith("policy/")},
               "early_cfs": early_cfs}
     out = Path(os.environ["CROSSOVER_RESULT_DIR"]) / f"rank{hvd.rank()}.json"
     out.write_text(json.dumps(result))

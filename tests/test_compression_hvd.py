@@ -171,13 +171,12 @@ def identical_decisions_job(steps, csv_dir):
     for step in range(steps):
         _grad_step(p, opt, _rank_grad(step, heavy=True))
         s = comp.stats()
-        pol = s["policy"]
-        trace.append([s["compression_factor"], pol["floor_cf"], pol["candidate_cf"], pol["settled"]])
+        trace.append([s["compression_factor"], s["policy/floor_cf"], s["policy/candidate_cf"], s["policy/settled"]])
     import horovod.torch as hvd
 
     with open(csv_path.format(rank=hvd.rank())) as fh:
         rows = list(csv.DictReader(fh))
-    return {"trace": trace, "stats": {k: v for k, v in comp.stats().items() if k != "policy"},
+    return {"trace": trace, "stats": {k: v for k, v in comp.stats().items() if not k.startswith("policy/")},
             "csv_rows": len(rows), "csv_cfs": sorted({float(r["sent_cf"]) for r in rows})}
 
 

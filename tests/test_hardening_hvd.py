@@ -90,9 +90,9 @@ def _train(kind: str, scaler_scale: float | None, poison: dict) -> dict:
         st = comp.stats()
         out["stats"] = {k: st.get(k) for k in ("step", "nonfinite_steps", "saturated_steps")}
         out["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in comp._residuals.values())
-        pol = st.get("policy") or {}
-        out["observed"] = pol.get("step")
-        out["gains_finite"] = all(math.isfinite(g) for g in (pol.get("gains") or {}).values() if g is not None)
+        out["observed"] = st.get("policy/step")
+        out["gains_finite"] = all(math.isfinite(g) for k, g in st.items() if k.startswith("policy/gains/")
+                                  and g is not None)
     return out
 
 

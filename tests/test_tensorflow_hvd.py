@@ -100,7 +100,8 @@ def averages_job():
     for name, (comp, kw) in cases.items():
         out[name] = _reduce_eager(comp, g, **kw).tolist()
         if hasattr(comp, "stats"):
-            out[name + "_stats"] = {k: v for k, v in comp.stats().items() if k != "policy"}
+            out[name + "_stats"] = {k: v for k, v in comp.stats().items()
+                                          if not k.startswith("policy/")}
     # eager hvd.allreduce with the compression (no tf.function): two calls, two steps
     comp = StaticCompression("topk", cf=10, error_feedback=False)
     out["topk_eager"] = [hvd.allreduce(tf.constant(g), compression=comp).numpy().tolist() for _ in range(2)]
@@ -208,9 +209,59 @@ def test_identical_decisions_when_ranks_differ():
     assert len(set(a["bits"])) >= 2, a["bits"]
     assert a["step"] == steps
     assert a["bytes"][0] < a["bytes"][1]
-    assert a["keys"] == sorted(["step", "compression_factor", "gain", "bytes_sent", "bytes_dense", "compressor",
-                                "policy", "nonfinite_steps", "saturated_steps"])
+    assert [k for k in a["keys"] if not k.startswith("policy/")] == sorted([
+        "step", "compression_factor", "gain", "bytes_sent", "bytes_dense", "compressor", "nonfinite_steps",
+        "saturated_steps"])
+    assert {"policy/settled", "policy/send_cf", "policy/searches"} <= set(a["keys"])
     assert {"step", "bits", "compression_factor", "gain", "bytes_sent", "bytes_dense"} <= set(a["qkeys"])
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorBoard (tensorboard=): a directory, rank 0 writes
+# ---------------------------------------------------------------------------------------------
+def tensorboard_job(root, steps):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from crossover.tensorflow import AdaptiveCompression
+
+    comp = AdaptiveCompression("topk", cf_min=4, cf_max=64, window=4, tensorboard=os.path.join(root, "gravac"))
+    qcomp = AdaptiveCompression(policy="dqsgd", total_steps=steps, lr=0.1, tensorboard=os.path.join(root, "dqsgd"))
+    w, w2, gv = tf.Variable(tf.zeros([N])), tf.Variable(tf.zeros([N])), tf.Variable(tf.zeros([N]))
+
+    @tf.function
+    def step():
+        with tf.GradientTape(persistent=True) as tape:
+            loss, loss2 = tf.reduce_sum(w * gv), tf.reduce_sum(w2 * gv)
+        g = hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, [w])[0]
+        g2 = hvd.DistributedGradientTape(tape, compression=qcomp).gradient(loss2, [w2])[0]
+        return g, g2
+
+    for t in range(steps):
+        gv.assign(_rank_grad(t))
+        step()
+    stats = comp.stats()
+    return {"pid": os.getpid(), "rank": hvd.rank(),
+            "scalar_values": all(v is None or isinstance(v, (int, float, str)) for v in stats.values())}
+
+
+def test_tensorboard_directory_rank0_writes_one_value_per_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = 12
+    res = run_tf(tensorboard_job, args=[str(tmp_path), steps])  # the ranks exit normally: flushed at exit
+    every = list(range(1, steps + 1))
+    for name, tag in (("gravac", "crossover/compression_factor"), ("dqsgd", "crossover/bits")):
+        files = [n for n in os.listdir(tmp_path / name) if "tfevents" in n]
+        assert len(files) == 1 and f".{res[0]['pid']}." in files[0], files  # rank 1 wrote nothing
+        acc = EventAccumulator(str(tmp_path / name), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars(tag)] == every
+        # the last step's bytes are still in the in-graph accumulator at exit: every step but the last
+        assert [e.step for e in acc.Scalars("crossover/bytes_sent_over_dense")] == every[:-1]
+        assert [e.step for e in acc.Scalars("crossover/step_time_s")] == every[:-1]
+    assert all(r["scalar_values"] for r in res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +477,7 @@ def train_digits_tf(compression, epochs: int, seed: int = 0, hidden: int = 512, 
     stats = compression.stats() if hasattr(compression, "stats") else None
     return {"history": history, "last3": float(np.mean(history[-3:])), "dense_bytes": dense_bytes,
             "bytes_sent": stats["bytes_sent"] if stats else dense_bytes,
-            "stats": {k: v for k, v in stats.items() if k != "policy"} if stats else None,
+            "stats": {k: v for k, v in stats.items() if not k.startswith("policy/")} if stats else None,
             "weights": hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()}
 
 

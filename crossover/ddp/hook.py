@@ -439,6 +439,8 @@ class AdaptiveState:
       ``target_bits``, ``b_min``, ``b_max``, ``decay``, ``error_feedback``, ``min_compress_numel``,
       ``seed``, ``transport``.
     * ``policy="qsgd"``: fixed ``bits``. ``policy="fp16"``: fp16 casts (no settings).
+    * ``tensorboard`` (every policy but fp16): a directory (rank 0 of the group writes per-step scalars under
+      ``crossover/``) or a ``torch.utils.tensorboard.SummaryWriter`` (used on the rank that made it; never closed).
 
     `stats()` has the keys of the Horovod objects' (``bytes_sent``, ``bytes_dense``,
     ``compression_factor``, ...); `state_dict()` / `load_state_dict()` hold everything a resumed run
@@ -452,17 +454,23 @@ class AdaptiveState:
         builder = _BUILDERS.get(policy)
         if builder is None:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        tensorboard = settings.pop("tensorboard", None)
         try:
             engine = builder(process_group, **settings)
         except TypeError as exc:
             raise ValueError(f"policy={policy!r}: {exc}") from None
+        if tensorboard is not None:
+            if getattr(engine, "driver", None) is None:
+                raise ValueError(f"tensorboard= logs a policy's steps; policy={policy!r} has none (use gravac, "
+                                 f"static, dqsgd or qsgd)")
+            engine.driver.attach_tensorboard(tensorboard, engine.comm.rank)
         self.process_group = process_group
         self.policy_name = policy
         self._engine = engine
 
     # ------------------------------------------------------------------ telemetry and state
     def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank (the Horovod objects' keys)."""
+        """Cumulative telemetry of this rank (the Horovod objects' keys; flat: policy details as `policy/...`)."""
         return self._engine.stats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -479,6 +487,12 @@ class AdaptiveState:
     def reset(self) -> None:
         """Forget the step in flight (e.g. after an aborted step); the policy state stays."""
         self._engine.reset()
+
+    def close_tensorboard(self) -> None:
+        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
+        driver = getattr(self._engine, "driver", None)
+        if driver is not None:
+            driver.close_tensorboard()
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state `root_rank`'s (after a resume where ranks loaded different

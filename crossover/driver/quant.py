@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from crossover.adaptive.dqsgd import DqsgdPolicy, DqsgdStats, error_budget_for_bits
 from crossover.compression.wire import MAX_BITS, MIN_BITS
+from crossover.driver.flat import flat_stats
 from crossover.driver.records import check_int
+from crossover.driver.tboard import TensorBoardLog
 
 __all__ = ["QUANT_STATE_VERSION", "QuantStepDriver"]
 
@@ -24,10 +27,12 @@ class QuantStepDriver:
     """Bits per step: fixed (QSGD) or from DQ-SGD, fed the reduced ||x||^2 one step later.
 
     `dqsgd`: None for fixed `bits`; else the DQ-SGD settings (`total_steps`, `b_min`, `b_max`, `decay`,
-    `target_bits`, `error_budget` (None: calibrated on the first usable step)).
+    `target_bits`, `error_budget` (None: calibrated on the first usable step)). `tensorboard`: see
+    `attach_tensorboard` (`rank` says which rank writes to a directory).
     """
 
-    def __init__(self, *, bits: int, dqsgd: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, *, bits: int, dqsgd: Mapping[str, Any] | None = None, tensorboard: Any = None,
+                 rank: Callable[[], int] = lambda: 0) -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
             raise ValueError(f"bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
         self.fixed_bits = bits
@@ -43,7 +48,12 @@ class QuantStepDriver:
             # validates the settings now (construction), not on the first step
             probe = DqsgdPolicy(error_budget=1.0 if budget is None else budget, **kw)
             self.policy = probe if budget is not None else None
+            self._summary_keys = tuple(probe.summary())  # stats() has them (None) before calibration too
         self.bits = self._plan_bits()
+        self.tensorboard: TensorBoardLog | None = None
+        self._tb_mark: tuple[float, int, int] = (0.0, 0, 0)  # (start time, bytes sent, bytes dense) of this step
+        if tensorboard is not None:
+            self.attach_tensorboard(tensorboard, rank)
         self.reset()
 
     def _policy_kw(self) -> dict[str, Any]:
@@ -67,10 +77,35 @@ class QuantStepDriver:
         """A new step begins: observe the last one (DQ-SGD; not a non-finite one), return this step's bits."""
         if self.step > 0 and self._have_sq and not self._nonfinite:
             self._observe(self._sq, world)
+        if self.tensorboard is not None:
+            self._tb_step(time.perf_counter())
         self.step += 1
         self._sq, self._have_sq, self._nonfinite, self._numel = 0.0, False, False, 0
         self.bits = self._plan_bits()
         return self.bits
+
+    # ------------------------------------------------------------------ TensorBoard
+    def attach_tensorboard(self, target: Any, rank: Callable[[], int]) -> None:
+        """Log per-step scalars to `target` (a directory: rank 0 writes; or a SummaryWriter); ValueError if bad."""
+        self.tensorboard = TensorBoardLog(target, rank, final=self._tb_final)
+
+    def close_tensorboard(self) -> None:
+        """Log the step in flight, write everything queued and stop logging (also done at exit)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    def _tb_step(self, now: float | None) -> None:
+        """The step in flight ends (`now`; None at close: no duration): its bits, bytes and duration."""
+        start, sent0, dense0 = self._tb_mark
+        if self.step > 0:
+            dense = self.bytes_dense - dense0
+            self.tensorboard.scalars(self.step, (  # type: ignore[union-attr]
+                ("bits", self.bits), ("bytes_sent_over_dense", (self.bytes_sent - sent0) / dense if dense else None),
+                ("step_time_s", now - start if now is not None and start else None)))
+        self._tb_mark = (now or 0.0, self.bytes_sent, self.bytes_dense)
+
+    def _tb_final(self) -> None:
+        self._tb_step(None)
 
     def _plan_bits(self) -> int:
         if self._dq is None:
@@ -122,12 +157,15 @@ class QuantStepDriver:
         self.bytes_dense += dense
 
     def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank, with the bits of the step in flight."""
+        """Cumulative telemetry of this rank, with the bits of the step in flight; flat (crossover/driver/flat.py):
+        DQ-SGD's summary under `policy/` keys (None until its budget is calibrated)."""
         out: dict[str, Any] = {"step": self.step, "bits": self.bits, "compression_factor": 32.0 / self.bits,
                                "gain": None, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
                                "nonfinite_steps": self.nonfinite_steps}
+        if self.policy is not None:
+            return flat_stats(out, policy=self.policy.summary())
         if self.adaptive:
-            out["policy"] = None if self.policy is None else self.policy.summary()
+            out.update({f"policy/{k}": None for k in self._summary_keys})
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -153,4 +191,5 @@ class QuantStepDriver:
             raise ValueError(f"not a valid quantized compression state: {type(exc).__name__}: {exc}") from exc
         self.policy, self.step, self.bits = policy, step, bits
         self.bytes_sent, self.bytes_dense, self.nonfinite_steps = counters
+        self._tb_mark = (0.0, self.bytes_sent, self.bytes_dense)
         self.reset()

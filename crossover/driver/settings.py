@@ -57,7 +57,7 @@ def gravac_or_dense(enabled: bool, **params: Any) -> CfPolicy:
 
 
 DQSGD_PARAMS = ("total_steps, lr, error_budget, target_bits, b_min, b_max, decay, error_feedback, "
-                "min_compress_numel, seed, transport")
+                "min_compress_numel, seed, transport, tensorboard")
 
 
 def dqsgd_settings(*, total_steps: object, lr: object, error_budget: float | None, target_bits: object,

@@ -25,8 +25,10 @@ from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
 from crossover.compression.wire import SparseStatsLayout, normalize_reduced
+from crossover.driver.flat import flat_stats
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
+from crossover.driver.tboard import TensorBoardLog
 
 __all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "SparseStepDriver"]
 
@@ -52,11 +54,15 @@ class SparseStepDriver:
     """Step counter, plans, one-step-late observation, byte counters and state of a CF policy."""
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
-                 rank: Callable[[], int] = lambda: 0) -> None:
+                 rank: Callable[[], int] = lambda: 0, tensorboard: Any = None) -> None:
         self.policy = policy
         self.compressor = compressor
         self.seed = int(seed)
         self.log = StepLog(log_csv, rank)
+        self.tensorboard: TensorBoardLog | None = None
+        self._tb_seen: tuple[Any, Any] = (None, False)  # (searches, settled) last logged
+        if tensorboard is not None:
+            self.attach_tensorboard(tensorboard, rank)
         self.step = 0  # steps begun; identical on every rank
         self.bytes_sent = 0
         self.bytes_dense = 0
@@ -79,12 +85,15 @@ class SparseStepDriver:
         self._step_start = now
         self.step += 1
         self.log.open()
-        if self.current is not None:
-            self._finish(self.current)
+        finished = self.current
+        if finished is not None:
+            self._finish(finished)
         plan = self.policy.plan()
         self.current = StepRecord(step=self.step, sent_cf=float(plan.send_cf),
                                   probes=tuple(float(p) for p in plan.probe_cfs),
                                   measure=plan.measure)
+        if self.tensorboard is not None:
+            self._tb_step(finished, self.last_step_time, float(plan.send_cf))
         return self.current
 
     def skips_all(self) -> bool:
@@ -148,16 +157,60 @@ class SparseStepDriver:
             self.current.bytes_sent += sent
             self.current.bytes_dense += dense
 
+    # ------------------------------------------------------------------ TensorBoard
+    def attach_tensorboard(self, target: Any, rank: Callable[[], int]) -> None:
+        """Log per-step scalars to `target` (a directory: rank 0 writes; or a SummaryWriter); ValueError if bad."""
+        self.tensorboard = TensorBoardLog(target, rank, final=self._tb_final)
+
+    def close_tensorboard(self) -> None:
+        """Log the step in flight, write everything queued and stop logging (also done at exit)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    def _gain_of(self, cf: float) -> float | None:
+        gains = getattr(self.policy, "gains", None)
+        return (gains or {}).get(cf, 1.0 if cf == 1.0 else None)
+
+    def _tb_step(self, rec: StepRecord | None, step_time: float | None, next_cf: float) -> None:
+        """The step that just finished (`rec`), and the policy's searches and settles as they happen."""
+        tb = self.tensorboard
+        if rec is not None:
+            dense = rec.bytes_dense
+            tb.scalars(rec.step, (("compression_factor", rec.sent_cf), ("gain", self._gain_of(rec.sent_cf)),
+                                  ("bytes_sent_over_dense", rec.bytes_sent / dense if dense else None),
+                                  ("step_time_s", step_time)))
+        seen = (getattr(self.policy, "searches", None), bool(getattr(self.policy, "settled", False)))
+        if seen != self._tb_seen:
+            self._tb_policy_event(seen, next_cf)
+
+    def _tb_policy_event(self, seen: tuple[Any, bool], cf: float) -> None:
+        tb, (searches, settled), step = self.tensorboard, seen, self.step
+        if searches is not None and searches != self._tb_seen[0]:
+            tb.scalars(step, (("searches", searches),))
+            tb.text(step, "decisions", f"step {step}: search {searches} begins, sending CF {cf:g}")
+        if settled and not self._tb_seen[1] and searches is not None:
+            tb.scalars(step, (("settled_cf", cf),))
+            tb.text(step, "decisions", f"step {step}: settled on CF {cf:g}")
+        self._tb_seen = seen
+
+    def _tb_final(self) -> None:
+        """At close: the step in flight, without a duration (no later step began)."""
+        rec = self.current
+        if rec is not None and self.tensorboard is not None:
+            self._tb_step(rec, None, rec.sent_cf)
+
     # ------------------------------------------------------------------ telemetry and state
     def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense."""
+        """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense; flat (crossover/driver/
+        flat.py): the policy's summary under `policy/` keys."""
         summary = self.policy.summary()
         cf = summary.get("send_cf", 1.0)
         gains = summary.get("gains", {}) or {}
         gain = gains.get(cf, 1.0 if cf == 1.0 else None)
-        return {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
-                "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
-                "saturated_steps": self.saturated_steps, "compressor": self.compressor, "policy": summary}
+        out = {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
+               "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
+               "saturated_steps": self.saturated_steps, "compressor": self.compressor}
+        return flat_stats(out, policy=summary)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals are the glue's)."""

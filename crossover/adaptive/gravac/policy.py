@@ -231,6 +231,11 @@ class GravacPolicy:
         return self._search.s.settled
 
     @property
+    def searches(self) -> int:
+        """Searches begun so far: the ladder search counts each (re)opening; the paper search is one."""
+        return int(getattr(self._search.s, "searches", 1))
+
+    @property
     def throughput(self) -> dict[float, float]:
         """Compression throughput (samples/s * gain) per CF: paper search over all steps each CF was
         sent after warm-up; ladder search from each CF's latest trial window (a copy)."""
