@@ -425,3 +425,65 @@ def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, 
     status = json.loads((out / "status.json").read_text())
     assert [r["sections"] for r in status["runs"]] == [["a"], ["b"]]
     assert run_all.main([*common, "--report-only"]) == 0 and report_md.read_text().count("## section") == 2
+
+
+def test_every_tta_section_runs_three_seeds_and_the_recipes_are_there(tmp_path: Path) -> None:
+    from benchmarks import run_all
+
+    tasks = {t.key: t for t in run_all.tta_tasks(quick=False)}
+    assert all(t.repeats >= 3 for t in tasks.values())
+    recipes = {k: t for k, t in tasks.items() if k.startswith("tta-recipe-")}
+    assert set(recipes) == {"tta-recipe-momentum", "tta-recipe-adamw", "tta-recipe-step", "tta-recipe-mnist-cnn"}
+    for key, t in recipes.items():
+        assert t.side_by_side and t.methods == ("none", "fp16", "topk:10", "topk:100", "topk:1000", "gravac")
+        runs = run_all.tta_runs(tmp_path / key, t)
+        assert len(runs) == 3 and len({r.argv[r.argv.index("--seed") + 1] for r in runs}) == 3
+        argv = runs[0].argv
+        cli.validate(cli.build_parser(), cli.build_parser().parse_args(argv[argv.index("benchmarks.cli") + 1:]))
+    args = {k: " ".join(t.args) for k, t in recipes.items()}
+    assert "--optimizer sgd --lr 0.05 --momentum 0.9 --weight-decay 5e-4" in args["tta-recipe-momentum"]
+    assert "--optimizer adamw" in args["tta-recipe-adamw"]
+    assert "--lr-schedule step" in args["tta-recipe-step"]
+    assert "--model cnn --dataset mnist" in args["tta-recipe-mnist-cnn"] and "--momentum 0.9" in args[
+        "tta-recipe-mnist-cnn"]
+    assert recipes["tta-recipe-mnist-cnn"].rate in ("100mbit", "300mbit")
+
+
+def test_run_all_only_runs_one_section_and_prints_the_estimated_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import run_all
+
+    assert run_all.main(["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "tta-recipe-mnist-cnn" in listing and "about 8 min" in listing and "\nall: about " in listing
+    secs = run_all.sections(REPO / "results" / "unused", False, False, None)
+    total = sum(s.minutes for s in secs)
+    assert all(s.minutes > 0 for s in secs) and f"all: about {total:.0f} min" in listing
+    picked = [s.key for s in secs if s.key == "tta-recipe-step" or s.key.startswith("tta-recipe-step-")]
+    assert picked == ["tta-recipe-step"]
+    assert run_all._estimate([s for s in secs if s.key.startswith("tta-recipe")], quick=False) == "about 29 min"
+
+
+def test_the_report_checks_issue_33s_targets_on_every_tta_section(tmp_path: Path) -> None:
+    """run_all's targets table takes both of AdaptiveCompression()'s targets from each section's comparison."""
+    from benchmarks import run_all
+
+    paths = []
+    for rep, seed in ((1, 0), (2, 1), (3, 2)):
+        for method, step_s, accs, sent in (("none", 1.0, [0.5, 0.9, 0.97], 4000),
+                                           ("topk:100", 0.3, [0.5, 0.9, 0.97], 40),
+                                           ("gravac", 0.25, [0.6, 0.9, 0.95], 40)):
+            p = fake_run(tmp_path / f"{method.replace(':', '')}-{rep}", method, step_s, accs, sent)
+            res = json.loads(p.read_text())
+            res["config"].update(label=f"{method}@{rep}", seed=seed)
+            res["summary"]["method"] = f"{method}@{rep}"
+            p.write_text(json.dumps(res))
+            paths.append(p)
+    sec = run_all.Section("tta-recipe-momentum", "t", "a", [run_all.Run(["x"], paths)], status="ok")
+    assert "| gravac | 3 |" in run_all.render_compare(sec, tmp_path / "img")
+    lines = run_all.targets([sec])
+    assert len(lines) == 2
+    assert lines[0].startswith("| tta-recipe-momentum: AdaptiveCompression() median final accuracy within dense's "
+                               "seed-to-seed spread or 0.5 point | 0.95 (0.95..0.95) against dense 0.97 (0.97..0.97): "
+                               "-2.00 points, bound 0.50 points, 3 seeds (FAIL) |")
+    assert lines[1].startswith("| tta-recipe-momentum: AdaptiveCompression() time to dense's final less 1 point <= "
+                               "1.0x the oracle static (topk:100) | not reached in every run (0/3)")
