@@ -36,7 +36,7 @@ setup(
     install_requires=["numpy", "psutil", "torch"],
     extras_require={
         "tensorflow": ["tensorflow", "tf-keras"],
-        "benchmarks": ["matplotlib", "tqdm", "scikit-learn", "pillow"],
+        "benchmarks": ["matplotlib", "tqdm", "scikit-learn", "pillow", "mlxtend"],
         "test": ["pytest", "pytest-timeout", "scikit-learn"],
     },
     entry_points={"console_scripts": [

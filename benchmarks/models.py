@@ -1,4 +1,4 @@
-"""Benchmark workloads written for this project: ResNet-18/50/101, VGG-16, a 2-layer LSTM LM, an MLP.
+"""Benchmark workloads written for this project: ResNet-18/50/101, VGG-16, a 2-layer LSTM LM, an MLP, a small CNN.
 
 torchvision does not import with the CPU build of PyTorch used here, so the models are defined in
 plain ``torch.nn``. Each convolutional net comes in two shapes: ``cifar`` (a 3x3 stem without
@@ -21,7 +21,7 @@ from torch import nn
 
 from . import registry
 
-__all__ = ["ResNet", "VGG", "LSTMLanguageModel", "MLP", "build_model", "count_parameters", "shape_of"]
+__all__ = ["ResNet", "VGG", "LSTMLanguageModel", "MLP", "CNN", "build_model", "count_parameters", "shape_of"]
 
 # (block kind, blocks per stage) of each ResNet depth
 _RESNET_LAYOUT = {18: ("basic", (2, 2, 2, 2)), 50: ("bottleneck", (3, 4, 6, 3)), 101: ("bottleneck", (3, 4, 23, 3))}
@@ -219,6 +219,25 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class CNN(nn.Module):
+    """Two 3x3 convolutions (32 and 64 channels x width, padding 1), each followed by ReLU and a 2x2 max-pool,
+    then a hidden layer of 128 x width units and the classes: the classic small MNIST net. On 28x28 grey
+    images with 10 classes it has 421 642 parameters, 94 % of them in the hidden layer (3 136 x 128)."""
+
+    def __init__(self, in_channels: int, side: int, num_classes: int, width: float = 1.0) -> None:
+        super().__init__()
+        if side < 4:
+            raise ValueError(f"the cnn pools twice by 2: it needs images of side >= 4, got {side}")
+        c1, c2, hidden = _scaled(32, width), _scaled(64, width), _scaled(128, width)
+        self.features = nn.Sequential(nn.Conv2d(in_channels, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(c2 * (side // 4) ** 2, hidden), nn.ReLU(),
+                                        nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
 def build_model(name: str, dataset: str, num_outputs: int, *, width: float = 1.0, image_size: int | None = None,
                 emb: int | None = None, hidden: int | None = None, tie_weights: bool = False,
                 dropout: float | None = None, in_channels: int | None = None) -> nn.Module:
@@ -245,6 +264,8 @@ def build_model(name: str, dataset: str, num_outputs: int, *, width: float = 1.0
         side = image_size
     if name == "mlp":
         return MLP(c * side * side, num_outputs, hidden=_scaled(512, width))
+    if name == "cnn":
+        return CNN(c, side, num_outputs, width=width)
     if name == "vgg16":
         return VGG(num_outputs, shape_of(dataset), width=width, in_channels=c,
                    dropout=0.5 if dropout is None else dropout)

