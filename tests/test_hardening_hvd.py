@@ -526,3 +526,94 @@ def test_sparse_codec_restores_residuals_of_a_nonfinite_step():
     res0, res1 = (c.memory._residuals["w"] for c in codecs)
     assert torch.allclose(res0, before[0], atol=1e-5) and bool((res1 == 0).all())
     assert [d.nonfinite_steps for d in drivers] == [1, 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27 item 4: log_csv never stops training (a full disk in a real 2-rank job)
+# ------------------------------------------------------------------------------------------------
+PAGE = 4096
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs with two free pages (one per rank's log): rows fail with ENOSPC after ~30 steps."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "full"
+    d.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        (d / "filler").write_bytes(b"\0" * (64 * 1024 - 2 * PAGE))
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def _train_logged(log_csv: object, steps: int) -> tuple:
+    """Static top-k at CF 4 (deterministic): a digest of the weights after `steps` steps."""
+    import hashlib
+
+    import horovod.torch as hvd
+
+    from crossover import StaticCompression
+
+    comp = StaticCompression("topk", cf=4, min_compress_numel=1, log_csv=log_csv)
+    model = _net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    assert comp.stats()["step"] == steps
+    return digest.hexdigest(), comp.driver.log
+
+
+def full_disk_job(folder: str, steps: int) -> dict:
+    import logging
+    import os
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("crossover").addHandler(Keep())
+    plain, _ = _train_logged(None, steps)
+    logged, slog = _train_logged(os.path.join(folder, "g-{rank}.csv"), steps)
+    with open(slog.path) as fh:
+        rows = len(fh.read().splitlines()) - 1
+    refused = {}
+    for bad in ("{foo}.csv", os.path.join(folder, "missing-{rank}", "g.csv"), 123):
+        try:
+            _train_logged(bad, 1)
+            refused[str(bad)] = "accepted"
+        except ValueError as exc:
+            refused[str(bad)] = str(exc)
+    return {"same_weights": plain == logged, "rows": rows, "stopped": slog.stopped,
+            "said": [m for m in said if "log_csv" in m], "refused": refused}
+
+
+def test_full_disk_stops_the_log_not_training(full_disk):
+    """Item 4 (issue 27): rows stop with ENOSPC part-way; every rank trains to the end with the weights
+    of a run without log_csv and says so once; a bad pattern or a missing per-rank directory is refused
+    at construction on every rank (ValueError naming log_csv)."""
+    steps = 80
+    results = run_function(full_disk_job, args=[str(full_disk), steps], timeout=300)
+    for r in results:
+        assert r["same_weights"]
+        assert 0 < r["rows"] < steps - 2 and "No space left" in r["stopped"], r
+        assert len(r["said"]) == 1 and "training goes on" in r["said"][0], r["said"]
+        assert all("log_csv" in msg for msg in r["refused"].values()), r["refused"]
+        assert "does not exist" in r["refused"][str(full_disk / "missing-{rank}" / "g.csv")]
