@@ -10,6 +10,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from crossover.adaptive.static import StaticPolicy
 from crossover.driver import SparseStepDriver, StepLog
@@ -152,3 +153,180 @@ def test_log_csv_copy_never_shares_the_open_file(tmp_path):
     assert twin.log.path == str(tmp_path / "g.rank0.1.csv")
     drv.log.close()
     twin.log.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# item 6: the DDP state checks a checkpoint before it applies any of it (no process group needed here;
+# the real 2-process job is tests/test_hardening_ddp.py)
+# ------------------------------------------------------------------------------------------------
+def _ddp_state_with_params():
+    from crossover.ddp import AdaptiveState
+
+    st = AdaptiveState(policy="gravac", cf_min=4, min_compress_numel=1)
+    params = [torch.nn.Parameter(torch.zeros(5, 4)), torch.nn.Parameter(torch.zeros(3))]
+    layouts = st._engine.layouts
+    layouts.key(0, params, torch.zeros(23))  # the hook saw one bucket holding both parameters
+    layouts.memory.get("bucket0")[:] = 0.5
+    return st
+
+
+@pytest.mark.parametrize("what", ["nan residual", "inf residual", "wrong size", "bool key", "str key", "list",
+                                  "int tensor", "None", "list state", "no driver", "policy nan", "missing step"])
+def test_ddp_load_state_dict_refuses_and_changes_nothing(what):
+    st = _ddp_state_with_params()
+    good = st.state_dict()
+    res = good["residuals"]
+    drv = good["driver"]
+    bad = {
+        "nan residual": {**good, "residuals": {0: torch.full((20,), float("nan")), 1: res[1]}},
+        "inf residual": {**good, "residuals": {0: res[0], 1: torch.tensor([0.0, float("inf"), 0.0])}},
+        "wrong size": {**good, "residuals": {0: torch.zeros(21), 1: res[1]}},
+        "bool key": {**good, "residuals": {True: res[1]}},
+        "str key": {**good, "residuals": {"0": res[0]}},
+        "list": {**good, "residuals": [res[0], res[1]]},
+        "int tensor": {**good, "residuals": {0: torch.zeros(20, dtype=torch.int32)}},
+        "None": None,
+        "list state": [good],
+        "no driver": {k: v for k, v in good.items() if k != "driver"},
+        "policy nan": {**good, "driver": {**drv, "policy": {**drv["policy"], "ref_time": float("nan")}}},
+        "missing step": {**good, "driver": {k: v for k, v in drv.items() if k != "step"}},
+    }[what]
+    # a valid policy state that differs from the current one rides along: it must not load either
+    if isinstance(bad, dict) and "driver" in bad and what not in ("policy nan", "missing step"):
+        bad["driver"] = {**drv, "step": drv["step"] + 7}
+    with pytest.raises(ValueError):
+        st.load_state_dict(bad)
+    after = st.state_dict()
+    assert after["driver"] == drv
+    assert after["residuals"].keys() == res.keys() and all(torch.equal(after["residuals"][k], res[k]) for k in res)
+    st.load_state_dict(good)
+
+
+def test_ddp_fp16_state_counters_checked():
+    from crossover.ddp import AdaptiveState
+
+    st = AdaptiveState(policy="fp16")
+    good = st.state_dict()
+    for bad in ({**good, "step": "3"}, {**good, "step": 2.5}, {**good, "bytes_sent": -1}, {**good, "step": None},
+                {k: v for k, v in good.items() if k != "bytes_dense"}):
+        with pytest.raises(ValueError):
+            st.load_state_dict(bad)
+        assert st.state_dict() == good
+
+
+# ------------------------------------------------------------------------------------------------
+# weak item: saved policy and driver states are read strictly (no NaN, negative, string or missing field)
+# ------------------------------------------------------------------------------------------------
+def _gravac_state(search: str) -> dict:
+    from crossover.adaptive.gravac import GravacPolicy, StepStats
+
+    pol = GravacPolicy(cf_min=4, cf_max=64, window=4, search=search)
+    for i in range(12):
+        plan = pol.plan()
+        pol.observe(StepStats(sent_cf=plan.send_cf, dense_sq_norm=1.0,
+                              compressed_sq_norms={cf: 0.9 / cf ** 0.1 for cf in plan.probe_cfs},
+                              step_time_s=0.1 + 0.01 * i, samples=32.0, grad_sq_norm=1.0))
+    return pol.state_dict()
+
+
+@pytest.mark.parametrize("search", ["ladder", "paper"])
+@pytest.mark.parametrize("field,value", [("settled", "x"), ("settled", 1), ("step", -1), ("step", float("nan")),
+                                         ("step", "3"), ("windows", -2), ("floor", float("nan")), ("floor", "20"),
+                                         ("candidate", -4.0), ("ref_time", float("inf")), ("best_rate", -1.0),
+                                         ("gains", [[4.0, float("nan"), 1, 0.5, 0.5]]), ("recent", ["0.1"]),
+                                         ("scale", float("nan")), ("window_step", -1), ("direction", 0),
+                                         ("reason", "bored"), ("throughput", [[4.0, -1.0, 1.0, 1.0, 1]])])
+def test_gravac_state_fields_refused(search, field, value):
+    from crossover.adaptive.gravac import GravacPolicy
+
+    good = _gravac_state(search)
+    pol = GravacPolicy(cf_min=4, cf_max=64, window=4, search=search)
+    pol.load_state_dict(good)
+    with pytest.raises(ValueError, match="state"):
+        pol.load_state_dict({**good, field: value})
+    assert pol.state_dict() == good
+
+
+@pytest.mark.parametrize("search", ["ladder", "paper"])
+def test_gravac_state_missing_fields_refused(search):
+    from crossover.adaptive.gravac import GravacPolicy
+
+    good = _gravac_state(search)
+    pol = GravacPolicy(cf_min=4, cf_max=64, window=4, search=search)
+    for field in good:
+        if field == "version":
+            continue
+        with pytest.raises(ValueError):
+            pol.load_state_dict({k: v for k, v in good.items() if k != field})
+    with pytest.raises(ValueError):
+        pol.load_state_dict(None)
+    pol.load_state_dict(good)
+    assert pol.state_dict() == good
+
+
+def _dq_policy_state() -> dict:
+    from crossover.adaptive.dqsgd import DqsgdPolicy, DqsgdStats
+
+    pol = DqsgdPolicy(total_steps=100, error_budget=0.01)
+    for t in range(3):
+        pol.observe(DqsgdStats(grad_sq_norm=2.0, numel=1000, lr=0.1, step=t))
+    return pol.state_dict()
+
+
+@pytest.mark.parametrize("field,value", [("next_step", -1), ("next_step", "2"), ("next_step", 2.5),
+                                         ("total_steps", 0), ("grad_sq_norm", float("nan")), ("grad_sq_norm", -1.0),
+                                         ("lr", 0.0), ("lr", "0.1"), ("numel", 0), ("observations", -1),
+                                         ("ignored", True), ("budget_spent", float("inf")), ("budget_spent", None),
+                                         ("lr", None)])
+def test_dqsgd_policy_state_fields_refused(field, value):
+    from crossover.adaptive.dqsgd import DqsgdPolicy
+
+    good = _dq_policy_state()
+    pol = DqsgdPolicy(total_steps=100, error_budget=0.01)
+    pol.load_state_dict(good)
+    with pytest.raises(ValueError, match="DqsgdPolicy state"):
+        pol.load_state_dict({**good, field: value})
+    assert pol.state_dict() == good
+    for missing in good:
+        if missing != "version":
+            with pytest.raises(ValueError):
+                pol.load_state_dict({k: v for k, v in good.items() if k != missing})
+    assert pol.state_dict() == good
+
+
+def test_driver_states_missing_fields_refused():
+    """sparse.py and quant.py no longer read a missing field as 0 (a silent reset of a counter, or of the
+    step that seeds the shared random choices)."""
+    from crossover.driver import QuantStepDriver, dqsgd_settings
+
+    drv = SparseStepDriver(StaticPolicy(cf=4.0), compressor="topk", seed=3)
+    for step in range(3):
+        drv.begin_step(float(step))
+        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 1.0, 1.0], 1)
+    good = drv.state_dict()
+    for field in good:
+        with pytest.raises(ValueError):
+            drv.load_state_dict({k: v for k, v in good.items() if k != field})
+    for rec in ("current", "pending"):
+        partial = {k: v for k, v in good[rec].items() if k != "tensors"}
+        with pytest.raises(ValueError, match="missing fields"):
+            drv.load_state_dict({**good, rec: partial})
+        with pytest.raises(ValueError):
+            drv.load_state_dict({**good, rec: {**good[rec], "probes": ["4"]}})
+    for seed in (1.5, "0", 2 ** 70, True):
+        with pytest.raises(ValueError, match="seed"):
+            drv.load_state_dict({**good, "seed": seed})
+    assert drv.state_dict() == good
+
+    settings = dqsgd_settings(total_steps=50, lr=0.1, error_budget=0.01, target_bits=6, b_min=2, b_max=8, decay=0.999)
+    qd = QuantStepDriver(bits=6, dqsgd=settings)
+    good = qd.state_dict()
+    for field in good:
+        with pytest.raises(ValueError):
+            qd.load_state_dict({k: v for k, v in good.items() if k != field})
+    other = QuantStepDriver(bits=6, dqsgd={**settings, "total_steps": 60}).state_dict()
+    with pytest.raises(ValueError, match="total_steps"):  # another run's DQ-SGD settings
+        qd.load_state_dict(other)
+    with pytest.raises(ValueError, match="fixed-bits"):
+        QuantStepDriver(bits=6).load_state_dict(good)
+    assert qd.state_dict() == good

@@ -51,6 +51,7 @@ from crossover.driver import (
     gravac_or_dense,
     lr_at,
 )
+from crossover.driver.records import check_int
 
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives
@@ -224,8 +225,13 @@ class _CodecEngine(_Engine):
         return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._reduced.clear()
+        """Residuals checked, then the driver's state (checked whole before it applies any), then residuals."""
+        if "driver" not in state:
+            raise ValueError("not a valid compression state: no 'driver' entry")
+        if "residuals" in state:
+            self.layouts.validate(state["residuals"])
         self.driver.load_state_dict(state["driver"])
+        self._reduced.clear()
         if "residuals" in state:
             self.layouts.load(state["residuals"])
 
@@ -354,8 +360,8 @@ class _Fp16Engine(_Engine):
         return {"step": self.step, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.bytes_sent, self.bytes_dense = int(state["bytes_sent"]), int(state["bytes_dense"])
+        counters = [check_int(name, state.get(name), 0) for name in ("step", "bytes_sent", "bytes_dense")]
+        self.step, self.bytes_sent, self.bytes_dense = counters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,11 +476,20 @@ class AdaptiveState:
         return {"version": STATE_VERSION, "policy": self.policy_name, **self._engine.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()` (same policy); the next step continues the saved schedule."""
+        """Restore from `state_dict()` (same policy); the next step continues the saved schedule.
+
+        Everything (policy state, counters, step records, residuals: finite, of this model's sizes) is
+        checked before anything is applied: a bad state raises ValueError and leaves this state unchanged.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping (from AdaptiveState.state_dict()), got {type(state).__name__}")
         if state.get("version") != STATE_VERSION or state.get("policy") != self.policy_name:
             raise ValueError(f"state is for policy {state.get('policy')!r} version {state.get('version')!r}; this "
                              f"is policy {self.policy_name!r} version {STATE_VERSION}")
-        self._engine.load_state_dict(state)
+        try:
+            self._engine.load_state_dict(state)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a valid compression state: {type(exc).__name__}: {exc}") from exc
 
     def reset(self) -> None:
         """Forget the step in flight (e.g. after an aborted step); the policy state stays."""

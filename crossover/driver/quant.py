@@ -136,19 +136,32 @@ class QuantStepDriver:
                 "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
                 "nonfinite_steps": self.nonfinite_steps}
 
+    def _check_policy_config(self, saved: Mapping[str, Any]) -> None:
+        """A saved DQ-SGD policy must have been built from this driver's settings (its error budget too, unless
+        this run calibrates it): a fixed-bits driver takes none."""
+        if self._dq is None:
+            raise ValueError("state holds a DQ-SGD policy; this is fixed-bits QSGD")
+        want = {**self._policy_kw(), "error_budget": self._dq.get("error_budget")}
+        diff = sorted(k for k, v in want.items() if not (k == "error_budget" and v is None) and saved.get(k) != v)
+        if diff:
+            detail = ", ".join(f"{k}: saved {saved.get(k)!r} vs {want[k]!r}" for k in diff)
+            raise ValueError(f"state's DQ-SGD settings differ from this compression's: {detail}")
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`; validated first, ValueError and no change on bad state."""
         try:
             if not isinstance(state, Mapping) or state.get("version") != QUANT_STATE_VERSION:
                 raise ValueError(f"unsupported quantized compression state version "
                                  f"{getattr(state, 'get', lambda _: None)('version')!r}")
-            pol = state.get("policy")
+            pol = state["policy"]  # None only before DQ-SGD calibrated its budget; a missing one is refused
             policy = None if pol is None else DqsgdPolicy.from_state_dict(pol)
+            if policy is not None:
+                self._check_policy_config(policy.config)
             step = check_int("step", state["step"], 0)
             bits = check_int("bits", state["bits"], MIN_BITS)
             if bits > MAX_BITS:
                 raise ValueError(f"bits must be in [{MIN_BITS}, {MAX_BITS}], got {bits}")
-            counters = [check_int(n, state.get(n, 0), 0) for n in ("bytes_sent", "bytes_dense", "nonfinite_steps")]
+            counters = [check_int(n, state[n], 0) for n in ("bytes_sent", "bytes_dense", "nonfinite_steps")]
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a valid quantized compression state: {type(exc).__name__}: {exc}") from exc
         self.policy, self.step, self.bits = policy, step, bits

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
+from crossover.compression.checks import check_seed
 from crossover.compression.wire import SparseStatsLayout, normalize_reduced
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
@@ -55,7 +56,7 @@ class SparseStepDriver:
                  rank: Callable[[], int] = lambda: 0) -> None:
         self.policy = policy
         self.compressor = compressor
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.log = StepLog(log_csv, rank)
         self.step = 0  # steps begun; identical on every rank
         self.bytes_sent = 0
@@ -187,14 +188,17 @@ class SparseStepDriver:
         if state.get("version") != CF_POLICY_STATE_VERSION or state.get("compressor") != self.compressor:
             raise ValueError(f"state is for compressor {state.get('compressor')!r} version "
                              f"{state.get('version')!r}; this is {self.compressor!r} v{CF_POLICY_STATE_VERSION}")
+        missing = [name for name in self.state_dict() if name not in state]
+        if missing:  # a field left out is never read as 0: that would reset a counter or the seeds' step
+            raise ValueError(f"not a valid compression state: missing field(s) {', '.join(missing)}")
         policy = copy.deepcopy(self.policy)
         policy.load_state_dict(state["policy"])
-        seed = check_int("seed", state["seed"], -(2 ** 63))
-        counters = {name: check_int(name, state.get(name, 0), 0)
+        seed = check_seed(state["seed"])
+        counters = {name: check_int(name, state[name], 0)
                     for name in ("bytes_sent", "bytes_dense", "step", "nonfinite_steps", "saturated_steps")}
-        current = StepRecord.from_dict(state.get("current"))
-        pending = StepRecord.from_dict(state.get("pending"))
-        last_step_time = check_real("last_step_time", state.get("last_step_time", 0.0), 0.0)
+        current = StepRecord.from_dict(state["current"])
+        pending = StepRecord.from_dict(state["pending"])
+        last_step_time = check_real("last_step_time", state["last_step_time"], 0.0)
         # validated: apply
         self.policy, self.seed = policy, seed
         for name, v in counters.items():

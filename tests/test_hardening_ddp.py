@@ -1,0 +1,120 @@
+"""Issue 27 (DDP hook): a hostile or damaged checkpoint in a real 2-process Gloo job (tests/ddp_harness.py).
+
+`AdaptiveState.load_state_dict` checks everything before it applies anything, as the Horovod objects
+do: a NaN or wrong-size residual, a state that is not a mapping, a policy state no run could reach all
+raise ValueError and change nothing; the good state then loads and training continues exactly as a run
+that never saw the bad ones.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import torch
+from ddp_harness import run_ddp
+
+from crossover.ddp import AdaptiveState, adaptive_hook
+
+DDP = torch.nn.parallel.DistributedDataParallel
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+
+
+def _build(**settings):
+    d = DDP(_model(), bucket_cap_mb=0.02)
+    st = AdaptiveState(**settings)
+    d.register_comm_hook(st, adaptive_hook)
+    return d, torch.optim.SGD(d.parameters(), lr=0.05), st
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two AdaptiveState.state_dict()s are equal (residual tensors compared exactly)."""
+    ra, rb = a.get("residuals", {}), b.get("residuals", {})
+    rest = {k: v for k, v in a.items() if k != "residuals"} == {k: v for k, v in b.items() if k != "residuals"}
+    return rest and ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+
+
+def _corruptions(good: dict) -> dict[str, object]:
+    res = good["residuals"]
+    first = min(res)
+    drv = good["driver"]
+    nan = {**res, first: res[first].clone()}
+    nan[first][0] = float("nan")
+    return {
+        "nan residual": {**good, "residuals": nan},
+        "wrong-size residual": {**good, "residuals": {**res, first: torch.zeros(res[first].numel() + 3)}},
+        "residual not a tensor": {**good, "residuals": {**res, first: res[first].tolist()}},
+        "residual key not an ordinal": {**good, "residuals": {**res, "w": res[first]}},
+        "residuals a list": {**good, "residuals": list(res.values())},
+        "None": None,
+        "a list": [good],
+        "no driver": {k: v for k, v in good.items() if k != "driver"},
+        "driver None": {**good, "driver": None},
+        "negative step": {**good, "driver": {**drv, "step": -1}},
+        "step a string": {**good, "driver": {**drv, "step": "7"}},
+        "missing counter": {**good, "driver": {k: v for k, v in drv.items() if k != "nonfinite_steps"}},
+        "policy step NaN": {**good, "driver": {**drv, "policy": {**drv["policy"], "step": float("nan")}}},
+        # the policy state is good, the residual bad: nothing of the policy may load (no half-load)
+        "good policy, bad residual": {**good, "driver": {**drv, "step": drv["step"] + 100}, "residuals": nan},
+    }
+
+
+def job_bad_checkpoints(steps: int) -> dict:
+    """Static top-k (deterministic): `steps` steps straight; again with a save half-way, every corruption
+    refused (state unchanged), the good state loaded, and the rest of the steps."""
+    settings = {"policy": "static", "compressor": "topk", "cf": 8, "min_compress_numel": 64}
+    d, o, st = _build(**settings)
+    for step in range(steps):
+        _step(d, o, step)
+    straight = [p.detach().clone() for p in d.parameters()]
+
+    d, o, st = _build(**settings)
+    for step in range(steps // 2):
+        _step(d, o, step)
+    buf = io.BytesIO()
+    torch.save(st.state_dict(), buf)
+    buf.seek(0)
+    good = torch.load(buf, weights_only=False)
+    refused, unchanged = {}, {}
+    before = st.state_dict()
+    for what, bad in _corruptions(good).items():
+        try:
+            st.load_state_dict(bad)
+            refused[what] = "accepted"
+        except ValueError as exc:
+            refused[what] = str(exc)
+        unchanged[what] = _same(st.state_dict(), before)
+    st.load_state_dict(good)
+    for step in range(steps // 2, steps):
+        _step(d, o, step)
+    resumed = list(d.parameters())
+    return {"refused": refused, "unchanged": unchanged,
+            "identical": all(torch.equal(a, b) for a, b in zip(straight, resumed)),
+            "finite": all(math.isfinite(float(p.sum())) for p in resumed),
+            "residuals": len(good["residuals"])}
+
+
+def test_bad_checkpoints_are_refused_and_change_nothing():
+    """Item 6: every corruption raises ValueError on every rank and leaves the state as it was; the good
+    state loads afterwards and training continues bit for bit as without the attempts."""
+    res = run_ddp(job_bad_checkpoints, args=(10,), timeout=240)
+    for r in res:
+        assert r["residuals"] >= 2
+        for what, msg in r["refused"].items():
+            assert msg != "accepted", what
+        assert all(r["unchanged"].values()), r["unchanged"]
+        assert r["identical"] and r["finite"]
