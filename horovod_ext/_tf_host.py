@@ -23,6 +23,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from crossover.compression.checks import check_flag, check_seed
 from crossover.driver import check_min_numel
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
@@ -85,8 +86,8 @@ class TFHookBase(metaclass=CompressionType):
     def __init__(self, *, min_compress_numel: int, error_feedback: bool, seed: int) -> None:
         check_built_outside_function(self)
         self.min_compress_numel = check_min_numel(min_compress_numel)
-        self.error_feedback = bool(error_feedback)
-        self.seed = int(seed)
+        self.error_feedback = check_flag("error_feedback", error_feedback)
+        self.seed = check_seed(seed)
         self._uid = next(_INSTANCES)  # in collective names: two objects' tensors never share a name
         self._lock = threading.RLock()
         self._plans: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()

@@ -330,3 +330,72 @@ def test_driver_states_missing_fields_refused():
     with pytest.raises(ValueError, match="fixed-bits"):
         QuantStepDriver(bits=6).load_state_dict(good)
     assert qd.state_dict() == good
+
+
+# ------------------------------------------------------------------------------------------------
+# weak item: every setting of every compression object is checked at construction (no coercion)
+# ------------------------------------------------------------------------------------------------
+_BAD_SETTINGS = [("enabled", "False"), ("enabled", 0), ("enabled", None), ("error_feedback", "False"),
+                 ("error_feedback", 1), ("seed", 1.5), ("seed", "0"), ("seed", 2 ** 70), ("seed", True),
+                 ("seed", None), ("log_csv", 123), ("log_csv", "{foo}.csv"), ("log_csv", "")]
+
+
+def _torch_objects() -> dict:
+    from crossover import AdaptiveCompression, StaticCompression
+    from horovod_ext.torch_compression import GravacCompression
+    from horovod_ext.torch_quantization import QSGDCompression
+
+    return {
+        "AdaptiveCompression": lambda **kw: AdaptiveCompression("topk", **kw),
+        "GravacCompression": lambda **kw: GravacCompression("randomk", **kw),
+        "StaticCompression": lambda **kw: StaticCompression("randomk", **kw),
+        "AdaptiveCompression(dqsgd)": lambda **kw: AdaptiveCompression(policy="dqsgd", total_steps=10, lr=0.1, **kw),
+        "QSGDCompression": lambda **kw: QSGDCompression(4, **kw),
+    }
+
+
+def _ddp_objects() -> dict:
+    from crossover.ddp import AdaptiveState
+
+    return {
+        "gravac": lambda **kw: AdaptiveState(**kw),
+        "static": lambda **kw: AdaptiveState(policy="static", **kw),
+        "dqsgd": lambda **kw: AdaptiveState(policy="dqsgd", total_steps=10, lr=0.1, **kw),
+        "qsgd": lambda **kw: AdaptiveState(policy="qsgd", **kw),
+    }
+
+
+def _takes(make, name: str) -> bool:
+    """Whether the object takes setting `name` at all (a good value builds it)."""
+    good = {"enabled": False, "error_feedback": True, "seed": 7, "log_csv": None}[name]
+    try:
+        make(**{name: good})
+        return True
+    except (ValueError, TypeError):  # "unknown setting": DDP's ValueError, the Horovod objects' TypeError
+        return False
+
+
+@pytest.mark.parametrize("name,value", _BAD_SETTINGS)
+@pytest.mark.parametrize("family", ["torch", "ddp"])
+def test_settings_are_not_coerced(family, name, value):
+    """`enabled="False"` was read as true, `seed=1.5` truncated, `seed="0"`, `2**70`, `log_csv=123` accepted."""
+    objects = _torch_objects() if family == "torch" else _ddp_objects()
+    tried = 0
+    for make in objects.values():
+        if not _takes(make, name):
+            continue
+        tried += 1
+        with pytest.raises(ValueError, match=name):
+            make(**{name: value})
+    assert tried, f"no {family} object takes {name}"
+
+
+def test_good_settings_still_build():
+    import numpy as np
+
+    from crossover import StaticCompression
+    from crossover.ddp import AdaptiveState
+
+    assert StaticCompression("randomk", seed=np.int64(5), error_feedback=np.bool_(False)).seed == 5
+    assert StaticCompression("topk", seed=-(2 ** 63)).seed == -(2 ** 63)
+    assert AdaptiveState(enabled=False, seed=2 ** 63 - 1).driver.seed == 2 ** 63 - 1

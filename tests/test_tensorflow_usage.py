@@ -97,3 +97,38 @@ def test_crossover_imported_before_horovod_tensorflow_gives_the_tensorflow_objec
             assert err < tolerance[name.split("_")[0]], (name, r["errors"])
         assert r["early_stats"]["bytes_dense"] > 0
     assert res[0]["early_cfs"] == res[1]["early_cfs"]
+
+
+def bad_settings_job():
+    """Issue 27: every setting of the TF objects checked at construction, with no coercion."""
+    from crossover.tensorflow import AdaptiveCompression, GravacCompression, QSGDCompression, StaticCompression
+
+    makers = {
+        "AdaptiveCompression": lambda **kw: AdaptiveCompression("topk", **kw),
+        "GravacCompression": lambda **kw: GravacCompression("randomk", **kw),
+        "StaticCompression": lambda **kw: StaticCompression("randomk", **kw),
+        "AdaptiveCompression(dqsgd)": lambda **kw: AdaptiveCompression(policy="dqsgd", total_steps=10, lr=0.1, **kw),
+        "QSGDCompression": lambda **kw: QSGDCompression(4, **kw),
+    }
+    bad = [("enabled", "False"), ("error_feedback", "False"), ("seed", 1.5), ("seed", "0"), ("seed", 2 ** 70),
+           ("log_csv", 123), ("log_csv", "{foo}.csv")]
+    out = {}
+    for what, make in makers.items():
+        for name, value in bad:
+            try:
+                make(**{name: value})
+                out[f"{what} {name}={value!r}"] = "accepted"
+            except TypeError:
+                continue  # the object has no such setting
+            except ValueError as exc:
+                out[f"{what} {name}={value!r}"] = str(exc)
+    return out
+
+
+def test_tf_settings_are_not_coerced():
+    """`enabled="False"`, `error_feedback="False"`, a float, str or 70-bit seed, `log_csv=123` or a pattern with
+    another placeholder than {rank}: ValueError naming the setting, at construction (as with horovod.torch)."""
+    for r in run_tf(bad_settings_job):
+        assert len(r) >= 20, r
+        for case, msg in r.items():
+            assert case.split()[-1].split("=")[0] in msg, (case, msg)

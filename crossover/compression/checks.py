@@ -17,7 +17,8 @@ SEED_MAX = 2 ** 63 - 1
 
 def check_flag(name: str, value: object) -> bool:
     """`value` if it is a bool (numpy's too), else ValueError: ``enabled="False"`` would read as true."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    kind = type(value)
+    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
         return bool(value)
     raise ValueError(f"{name} must be True or False, got {value!r}")
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
+from .checks import check_flag
+
 __all__ = ["ErrorFeedback"]
 
 
@@ -18,7 +20,7 @@ class ErrorFeedback:
     """Residuals per tensor key; `enabled=False` keeps none (`residual` returns None)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled = bool(enabled)
+        self.enabled = check_flag("error_feedback", enabled)
         self._residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, key: str, like: torch.Tensor) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from . import cost_model, kernels, transport
+from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
 from .selectors import Selector, apply_mask, k_for, make_selector
@@ -47,7 +48,7 @@ class SparseCodec:
         self.fixed_gather = bool(fixed_gather)
         self.compressor = compressor
         self.memory = ErrorFeedback(error_feedback)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.grad_norms = grad_norms  # also measure ||g|| of the raw gradient (one more read pass)
         self._outputs: dict[str, torch.Tensor] = {}
         self._packed: dict[str, torch.Tensor] = {}

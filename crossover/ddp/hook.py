@@ -373,7 +373,7 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
                   **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
-        policy = gravac_or_dense(bool(enabled), **gravac)  # GravacPolicy's own defaults and checks
+        policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
