@@ -399,3 +399,28 @@ def test_good_settings_still_build():
     assert StaticCompression("randomk", seed=np.int64(5), error_feedback=np.bool_(False)).seed == 5
     assert StaticCompression("topk", seed=-(2 ** 63)).seed == -(2 ** 63)
     assert AdaptiveState(enabled=False, seed=2 ** 63 - 1).driver.seed == 2 ** 63 - 1
+
+
+# ------------------------------------------------------------------------------------------------
+# weak item: a loaded fp16 (or 2-D, or float64) residual is converted, not replaced by zeros
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_loaded_residual_of_another_dtype_is_converted(dtype):
+    from crossover import StaticCompression
+
+    comp = StaticCompression("topk", cf=4)
+    saved = torch.linspace(-1, 1, 12).reshape(3, 4).to(dtype)
+    state = comp.state_dict()
+    comp.load_state_dict({**state, "residuals": {"w": saved}})
+    got = comp.codec.memory.residual("w", torch.zeros(12))  # what the next compress of "w" starts from
+    assert got.dtype == torch.float32 and got.shape == (12,)
+    assert torch.equal(got, saved.reshape(-1).float())
+
+
+def test_residual_of_a_resized_tensor_is_dropped_with_a_warning(warnings_of):
+    from crossover.compression.memory import ErrorFeedback
+
+    said = warnings_of("crossover.compression.memory")
+    mem = ErrorFeedback()
+    mem.load({"w": torch.ones(5)})
+    assert bool((mem.residual("w", torch.zeros(6)) == 0).all()) and len(said) == 1 and "dropped" in said[0]
