@@ -14,6 +14,7 @@ Where compress is traced from (Horovod's op, its cond) is read in horovod_ext/_i
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ __all__ = ["INSIDE_FUNCTION_ERROR", "TFHookBase", "check_built_outside_function"
 
 # compression=AdaptiveCompression (the class) fails when the optimizer or tape is built
 guard_constructors(hvd, ("DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape"))
+log = logging.getLogger(__name__)
 _INSTANCES = itertools.count()  # objects are created in the same order on every rank: a shared id
 INSIDE_FUNCTION_ERROR = (
     "crossover's {name} was created inside a tf.function. It keeps state across steps (tf.Variables: "
@@ -97,6 +99,7 @@ class TFHookBase(metaclass=CompressionType):
         self._eager_plan: tf.Tensor | None = None
         self._eager_phase = "idle"
         self._eager_ordinal = 0
+        self._warned_dtype = False
         self.driver: Any = None  # the subclass's step driver (crossover/driver/)
 
     # Horovod hashes the compression (its cached allreduce function is keyed by it): keep identity hashing.
@@ -160,6 +163,11 @@ class TFHookBase(metaclass=CompressionType):
 
     def _passthrough(self, tensor: Any, plan: tf.Tensor | None) -> tuple[Any, None]:
         """Count a tensor that goes through untouched (it is Horovod's own dense path)."""
+        if tensor.dtype in (tf.float16, tf.bfloat16, tf.float64) and not self._warned_dtype:
+            self._warned_dtype = True  # said once, when the step is traced
+            log.warning("crossover: gradients of dtype %s go through uncompressed (Horovod's dense path; crossover "
+                        "compresses float32 gradients only, which is what Keras' mixed_float16 policy keeps)",
+                        tensor.dtype.name)
         nbytes = tf.cast(tf.size(tensor), tf.float64) * tensor.dtype.size
         vec = tf.concat([tf.zeros([self._acc_len() - 2], tf.float64), tf.stack([nbytes, nbytes])], 0)
         # after this step's "begin step" (which reads and clears the accumulator); with no plan

@@ -67,6 +67,7 @@ class TorchHookBase(metaclass=CompressionType):
         self._owner: weakref.ReferenceType[Any] | None = None  # the one optimizer this object serves
         self._step_large = 0  # float32 tensors of the step in flight at or above min_compress_numel
         self._step_small = 0  # tensors passed through in the step in flight: below min_compress_numel
+        self._step_other: set[str] = set()  # dtypes of floating gradients passed through as not float32
         self._warned_small = False
 
     # ------------------------------------------------------------------ for subclasses
@@ -107,6 +108,8 @@ class TorchHookBase(metaclass=CompressionType):
         if tensor.dtype == torch.float32 and not tensor.is_sparse:
             self._step_small += int(small)
             self._step_large += int(not small)
+        elif tensor.is_floating_point() and not tensor.is_sparse:
+            self._step_other.add(str(tensor.dtype).replace("torch.", ""))
         if tensor.dtype != torch.float32 or tensor.is_sparse or small or self._skips_all():
             self._count(nbytes, nbytes)
             return tensor, None  # pass through untouched
@@ -133,13 +136,20 @@ class TorchHookBase(metaclass=CompressionType):
     # ------------------------------------------------------------------ internals
     def _new_step(self) -> None:
         """The first compress of a step: say once if the last step compressed nothing for its size."""
-        if self._step_small and not self._step_large and not self._warned_small:
+        if self._step_other and not self._step_large and not self._warned_small:
+            self._warned_small = True
+            log.warning("crossover: no gradient was compressed in a step: gradients of dtype %s went through "
+                        "uncompressed (Horovod's dense path; crossover compresses float32 gradients only, which "
+                        "is what a float32 model trained with torch.autocast has); stats() reports CF 1",
+                        "/".join(sorted(self._step_other)))
+        elif self._step_small and not self._step_large and not self._warned_small:
             self._warned_small = True
             log.warning("crossover: no gradient was compressed in a step: all %d float32 gradients are smaller "
                         "than min_compress_numel=%d elements and went through uncompressed (Horovod's dense "
                         "path). Pass a smaller min_compress_numel to compress them.", self._step_small,
                         self.min_compress_numel)
         self._step_large = self._step_small = 0
+        self._step_other.clear()
         self._begin_step()
         self._phase = "compress"
         self._keys.begin()

@@ -118,3 +118,43 @@ def test_bad_checkpoints_are_refused_and_change_nothing():
             assert msg != "accepted", what
         assert all(r["unchanged"].values()), r["unchanged"]
         assert r["identical"] and r["finite"]
+
+
+def job_fp64_model(steps: int) -> dict:
+    """An fp64 model: DDP's buckets are float64, nothing is compressed: said once, stats() reports CF 1."""
+    import logging
+
+    import torch.distributed as dist
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("crossover.ddp").addHandler(Keep())
+    out = {}
+    for policy in ("static", "qsgd"):
+        said.clear()
+        settings = {"policy": policy, "min_compress_numel": 1, **({"cf": 4} if policy == "static" else {})}
+        d = DDP(_model().double(), bucket_cap_mb=0.02)
+        st = AdaptiveState(**settings)
+        d.register_comm_hook(st, adaptive_hook)
+        o = torch.optim.SGD(d.parameters(), lr=0.05)
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+            x, y = torch.randn(32, 64, generator=gen).double(), torch.randint(0, 10, (32,), generator=gen)
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(d(x), y).backward()
+            o.step()
+        s = st.stats()
+        out[policy] = {"cf": s["compression_factor"], "sent": s["bytes_sent"], "dense": s["bytes_dense"],
+                       "said": [m for m in said if "no gradient bucket was compressed" in m]}
+    return out
+
+
+def test_fp64_model_said_once_and_stats_honest():
+    for r in run_ddp(job_fp64_model, args=(4,), timeout=180):
+        for policy, got in r.items():
+            assert got["cf"] == 1.0 and got["sent"] == got["dense"], (policy, got)
+            assert len(got["said"]) == 1 and "float64" in got["said"][0], (policy, got["said"])

@@ -617,3 +617,57 @@ def test_full_disk_stops_the_log_not_training(full_disk):
         assert len(r["said"]) == 1 and "training goes on" in r["said"][0], r["said"]
         assert all("log_csv" in msg for msg in r["refused"].values()), r["refused"]
         assert "does not exist" in r["refused"][str(full_disk / "missing-{rank}" / "g.csv")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27, weak items: fp16/fp64 models are said once and stats() reports what was sent (CF 1)
+# ------------------------------------------------------------------------------------------------
+def _dtype_run(make, dtype: torch.dtype, steps: int = 4) -> dict:
+    import logging
+
+    import horovod.torch as hvd
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("horovod_ext").addHandler(keep)
+    comp = make()
+    model = _net().to(dtype)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+    logging.getLogger("horovod_ext").removeHandler(keep)
+    st = comp.stats()
+    return {"cf": st["compression_factor"], "step": st["step"], "sent": st["bytes_sent"], "dense": st["bytes_dense"],
+            "said": [m for m in said if "no gradient was compressed" in m]}
+
+
+def dtype_job() -> dict:
+    from crossover import AdaptiveCompression, StaticCompression
+    from horovod_ext.torch_quantization import QSGDCompression
+
+    makers = {"gravac": lambda: AdaptiveCompression("topk", cf_min=4, min_compress_numel=1),
+              "static": lambda: StaticCompression("topk", cf=4, min_compress_numel=1),
+              "qsgd": lambda: QSGDCompression(4, min_compress_numel=1)}
+    return {f"{name}-{str(dtype)[6:]}": _dtype_run(make, dtype)
+            for name, make in makers.items() for dtype in (torch.float16, torch.float64, torch.float32)}
+
+
+def test_fp16_fp64_models_said_once_and_stats_honest():
+    for r in run_function(dtype_job, timeout=300):
+        for name, got in r.items():
+            assert got["step"] == 4, (name, got)
+            if name.endswith("float32"):  # the control: compressed, said nothing
+                assert got["cf"] > 1 and got["sent"] < got["dense"] and not got["said"], (name, got)
+            else:
+                assert got["cf"] == 1.0 and got["sent"] == got["dense"], (name, got)
+                assert len(got["said"]) == 1 and name.split("-")[1] in got["said"][0], (name, got["said"])

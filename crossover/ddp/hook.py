@@ -147,6 +147,8 @@ class _CodecEngine(_Engine):
         self.min_compress_numel = check_min_numel(min_compress_numel)
         self.layouts = BucketLayouts(memory)
         self._reduced: dict[int, Any] = {}  # bucket index -> reduced statistics (written by callbacks)
+        self._step_buckets: dict[str, int] = {}  # buckets of the step in flight: "large" or the dtype passed through
+        self._warned = False
 
     # the subclass's driver and codec
     def _begin_step(self) -> None:
@@ -181,10 +183,13 @@ class _CodecEngine(_Engine):
         index = bucket.index()
         buf = bucket.buffer()
         if index == 0:
+            self._say_uncompressed()
             self.flush()
             self._begin_step()
         nbytes = buf.numel() * buf.element_size()
         small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
+        kind = "large" if not small else str(buf.dtype).replace("torch.", "")
+        self._step_buckets[kind] = self._step_buckets.get(kind, 0) + 1
         if small or self._skips_all():
             self._count(nbytes, nbytes)
             if small and self.layouts.memory.enabled:  # a residual left by a bucket rebuild goes out now
@@ -216,6 +221,18 @@ class _CodecEngine(_Engine):
 
         return fut.then(finish)
 
+    def _say_uncompressed(self) -> None:
+        """Once: the last step compressed no bucket for its dtype (fp16/fp64 models) or its size."""
+        seen, self._step_buckets = self._step_buckets, {}
+        if self._warned or not seen or "large" in seen:
+            return
+        self._warned = True
+        other = sorted(k for k in seen if k != "float32")
+        why = (f"buckets of dtype {'/'.join(other)} (crossover compresses float32 gradients only)" if other else
+               f"every float32 bucket is smaller than min_compress_numel={self.min_compress_numel} elements")
+        log.warning("crossover: no gradient bucket was compressed in a step: %s; they went through DDP's dense "
+                    "averaging, and stats() reports CF 1", why)
+
     # ------------------------------------------------------------------ state (the subclass's `driver`)
     def stats(self) -> dict[str, Any]:
         return self.driver.stats()
@@ -237,6 +254,7 @@ class _CodecEngine(_Engine):
 
     def reset(self) -> None:
         self._reduced.clear()
+        self._step_buckets.clear()
         self.layouts.reset()
         self.driver.reset()
 

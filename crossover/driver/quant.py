@@ -44,6 +44,7 @@ class QuantStepDriver:
             probe = DqsgdPolicy(error_budget=1.0 if budget is None else budget, **kw)
             self.policy = probe if budget is not None else None
         self.bits = self._plan_bits()
+        self._prev_numel = 0  # elements quantized in the step before the one in flight (stats())
         self.reset()
 
     def _policy_kw(self) -> dict[str, Any]:
@@ -68,6 +69,7 @@ class QuantStepDriver:
         if self.step > 0 and self._have_sq and not self._nonfinite:
             self._observe(self._sq, world)
         self.step += 1
+        self._prev_numel = self._numel
         self._sq, self._have_sq, self._nonfinite, self._numel = 0.0, False, False, 0
         self.bits = self._plan_bits()
         return self.bits
@@ -123,7 +125,10 @@ class QuantStepDriver:
 
     def stats(self) -> dict[str, Any]:
         """Cumulative telemetry of this rank, with the bits of the step in flight."""
-        out: dict[str, Any] = {"step": self.step, "bits": self.bits, "compression_factor": 32.0 / self.bits,
+        # what was sent: CF 1 when the latest steps quantized nothing (fp16/fp64 or small tensors went dense)
+        quantized = self.step == 0 or self._numel > 0 or self._prev_numel > 0
+        out: dict[str, Any] = {"step": self.step, "bits": self.bits,
+                               "compression_factor": 32.0 / self.bits if quantized else 1.0,
                                "gain": None, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
                                "nonfinite_steps": self.nonfinite_steps}
         if self.adaptive:

@@ -154,11 +154,18 @@ class SparseStepDriver:
         """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense."""
         summary = self.policy.summary()
         cf = summary.get("send_cf", 1.0)
+        if self.step > 0 and not self._compressed_lately():
+            cf = 1.0  # what was sent: every gradient went through dense (fp16/fp64 or small tensors)
         gains = summary.get("gains", {}) or {}
         gain = gains.get(cf, 1.0 if cf == 1.0 else None)
         return {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
                 "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
                 "saturated_steps": self.saturated_steps, "compressor": self.compressor, "policy": summary}
+
+    def _compressed_lately(self) -> bool:
+        """Whether the latest step whose statistics arrived compressed a tensor: the step in flight (torch, DDP:
+        its statistics arrive as it decodes) or the one before it (TensorFlow: they arrive at the next step)."""
+        return any(rec is not None and rec.tensors > 0 for rec in (self.current, self.pending))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals are the glue's)."""
