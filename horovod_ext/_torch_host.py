@@ -69,6 +69,8 @@ class TorchHookBase(metaclass=CompressionType):
         self._step_small = 0  # tensors passed through in the step in flight: below min_compress_numel
         self._step_other: set[str] = set()  # dtypes of floating gradients passed through as not float32
         self._warned_small = False
+        self._passed: list[torch.Tensor] = []  # per tensor passed through this step: finite after the reduction
+        self._step_keys: dict[str, bool] = {}  # compressed this step -> its decode already undid it (non-finite)
 
     # ------------------------------------------------------------------ for subclasses
     def _begin_step(self) -> None:
@@ -89,6 +91,18 @@ class TorchHookBase(metaclass=CompressionType):
 
     def _optimizer_seen(self, opt: Any) -> None:
         """The calling optimizer (None when unknown), once per compress."""
+
+    def _mark_nonfinite(self) -> None:
+        """A tensor passed through untouched was inf/NaN after the reduction: tell the driver (not observed)."""
+
+    def _step_nonfinite(self) -> bool:
+        """Whether the driver holds the step in flight as non-finite (its statistics, or `_mark_nonfinite`)."""
+        return False
+
+    @property
+    def _residuals(self) -> dict[str, torch.Tensor]:
+        """The codec's error-feedback residuals by key (the live tensors)."""
+        return {}
 
     # ------------------------------------------------------------------ Horovod interface
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -115,16 +129,20 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
         if repeated:  # same parameter twice in one step: treat as a new step
+            self._settle_step()
             self._begin_step()
             self._keys.begin()
             self._keys.key(name)
         self._count(0, nbytes)
+        self._step_keys[key] = False
         return self._compress_float(tensor, key)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
         if ctx is None:
+            if tensor.is_floating_point() and not tensor.is_sparse:
+                self._passed.append(torch.isfinite(tensor).all())  # no sync here: read once, at the step's end
             return tensor
         return self._decompress(tensor, ctx)
 
@@ -132,6 +150,8 @@ class TorchHookBase(metaclass=CompressionType):
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         self._phase = "idle"
         self._keys.begin()
+        self._passed.clear()
+        self._step_keys.clear()
 
     # ------------------------------------------------------------------ internals
     def _new_step(self) -> None:
@@ -150,9 +170,37 @@ class TorchHookBase(metaclass=CompressionType):
                         self.min_compress_numel)
         self._step_large = self._step_small = 0
         self._step_other.clear()
+        self._settle_step()
         self._begin_step()
         self._phase = "compress"
         self._keys.begin()
+
+    def _settle_step(self) -> None:
+        """The step in flight is over (the next begins, or stats()/state_dict() between steps).
+
+        A tensor passed through untouched (below min_compress_numel, not float32) reaches every rank with the
+        same reduced value, so inf/NaN in it is seen alike everywhere with no collective: the step is then
+        non-finite although every compressed tensor's statistics were finite. A non-finite step, whatever
+        showed it, leaves no trace in error feedback: a compressed tensor whose own decode did not already
+        put its residual back (its statistics were finite) has it reset to zeros (the pre-step residual is
+        gone by now; keeping the step's gradient would send the skipped step later).
+        """
+        flags, self._passed = self._passed, []
+        if flags and not all(bool(torch.stack([f for f in flags if f.device == d]).all())
+                             for d in {f.device for f in flags}):
+            self._mark_nonfinite()
+        if self._step_keys and self._step_nonfinite():
+            residuals = self._residuals
+            for key, undone in self._step_keys.items():
+                res = residuals.get(key)
+                if res is not None and not undone:
+                    res.zero_()
+        self._step_keys.clear()
+
+    def _between_steps(self) -> None:
+        """Settle the last step if it is over (called by stats() and state_dict())."""
+        if self._phase == "decompress":
+            self._settle_step()
 
     def _check_owner(self, opt: Any) -> None:
         """One optimizer per stateful compression object: a second live one raises (same on every rank)."""

@@ -158,3 +158,99 @@ def test_fp64_model_said_once_and_stats_honest():
         for policy, got in r.items():
             assert got["cf"] == 1.0 and got["sent"] == got["dense"], (policy, got)
             assert len(got["said"]) == 1 and "float64" in got["said"][0], (policy, got["said"])
+
+
+SMALL_BUCKET = 50_000  # min_compress_numel of the job below
+
+
+def job_small_bucket_inf(steps: int, poison_step: int) -> dict:
+    """Only rank 1, only at `poison_step`, puts inf into the last layer's bias, whose bucket is below
+    min_compress_numel (passed through to DDP's averaging); the first layer's weight is compressed."""
+    import torch.distributed as dist
+
+    out = {}
+    for policy in ("static", "qsgd"):
+        settings = {"policy": policy, "min_compress_numel": SMALL_BUCKET,
+                    **({"cf": 4} if policy == "static" else {"bits": 4, "error_feedback": True})}
+        torch.manual_seed(0)
+        # after DDP's rebuild (step 2 on) the last layer (1 MiB weight) fills DDP's first bucket, compressed; the
+        # two small layers share the next one (1312 elements), passed through
+        model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 16384))
+        d = DDP(model, bucket_cap_mb=0.02)
+        st = AdaptiveState(**settings)
+        d.register_comm_hook(st, adaptive_hook)
+        o = torch.optim.SGD(d.parameters(), lr=0.05)
+        skipped, zeroed, small = [], None, None
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 16384, (32,), generator=gen)
+            o.zero_grad()
+            hook = None
+            if step == poison_step and dist.get_rank() == 1:
+                hook = model[2].bias.register_hook(
+                    lambda g: g.index_put((torch.tensor(1),), torch.tensor(float("inf"))))
+            torch.nn.functional.cross_entropy(d(x), y).backward()
+            if hook is not None:
+                hook.remove()
+            if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+                o.step()
+            else:
+                skipped.append(step)
+            if step == poison_step:
+                sd = st.state_dict()  # between steps: the step is settled here
+                zeroed = all(bool((r == 0).all()) for r in sd["residuals"].values())
+                nonfinite_then = st.stats()["nonfinite_steps"]
+                layouts = st._engine.layouts
+                owner = layouts._owner[layouts._ordinal[id(model[2].bias)]]
+                small = layouts._layouts[owner].numel < SMALL_BUCKET
+        out[policy] = {"skipped": skipped, "zeroed": zeroed, "small": small, "nonfinite_then": nonfinite_then,
+                       "nonfinite_steps": st.stats()["nonfinite_steps"],
+                       "observed": (st.stats().get("policy") or {}).get("step"),
+                       "params": [float(p.detach().double().sum()) for p in model.parameters()]}
+    return out
+
+
+def test_inf_in_a_passed_through_bucket_counts_and_leaves_no_trace():
+    """As with Horovod (tests/test_hardening_hvd.py): skipped on every rank, counted once on every rank,
+    not observed by the policy, the compressed buckets' residuals forget the step; same weights everywhere."""
+    steps, poison = 8, 3
+    r0, r1 = run_ddp(job_small_bucket_inf, args=(steps, poison), timeout=240)
+    for r in (r0, r1):
+        for policy, got in r.items():
+            assert got["small"], "the poisoned bias must sit in a passed-through bucket"
+            assert got["skipped"] == [poison] and got["zeroed"], (policy, got)
+            assert got["nonfinite_then"] == got["nonfinite_steps"] == 1, (policy, got)
+        assert r["static"]["observed"] == steps - 1 - 2
+    for policy in r0:
+        assert r0[policy]["params"] == r1[policy]["params"], policy
+
+
+def job_randomk_seed_per_rank(steps: int) -> dict:
+    """random-k with seed=rank: refused on every rank by the seed fingerprint in the statistics."""
+    import torch.distributed as dist
+
+    d, o, st = _build(policy="static", compressor="randomk", cf=4, min_compress_numel=64, seed=dist.get_rank())
+    try:
+        for step in range(steps):
+            _step(d, o, step)
+        return {"rank": f"trained {st.stats()['step']}"}
+    except Exception as exc:  # noqa: BLE001 - DDP may wrap the hook's error; the message is what counts
+        return {"rank": f"{type(exc).__name__}: {exc}"}
+
+
+def test_randomk_seed_per_rank_refused():
+    for r in run_ddp(job_randomk_seed_per_rank, args=(4,), timeout=180):
+        assert "different seeds" in r["rank"], r
+
+
+def test_randomk_same_seed_trains():
+    res = run_ddp(job_randomk_same_seed, args=(4,), timeout=180)
+    assert [r["same"] for r in res] == ["trained 4", "trained 4"]
+
+
+def job_randomk_same_seed(steps: int) -> dict:
+    d, o, st = _build(policy="static", compressor="randomk", cf=4, min_compress_numel=64, seed=3)
+    for step in range(steps):
+        _step(d, o, step)
+    return {"same": f"trained {st.stats()['step']}"}

@@ -671,3 +671,121 @@ def test_fp16_fp64_models_said_once_and_stats_honest():
             else:
                 assert got["cf"] == 1.0 and got["sent"] == got["dense"], (name, got)
                 assert len(got["said"]) == 1 and name.split("-")[1] in got["said"][0], (name, got["said"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27, weak item: inf only in a tensor too small to compress (passed through untouched)
+# ------------------------------------------------------------------------------------------------
+SMALL_POISON_STEP = 3
+
+
+def _train_small_poison(kind: str) -> dict:
+    """Only rank 1, only at SMALL_POISON_STEP, puts inf into model[0].bias (100 elements: passed through);
+    model[0].weight (20 000) is compressed. Manual GradScaler-style skip."""
+    import horovod.torch as hvd
+
+    from crossover import AdaptiveCompression, StaticCompression
+    from horovod_ext.torch_quantization import QSGDCompression
+
+    comp = {"static": lambda: StaticCompression("topk", cf=4),
+            "adaptive": lambda: AdaptiveCompression("topk", cf_min=4, cf_max=64, epsilon=0.2, window=4),
+            "qsgd": lambda: QSGDCompression(4, error_feedback=True)}[kind]()
+    model = _net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    skipped, zeroed = [], None
+    for step in range(STEPS):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        hook = None
+        if step == SMALL_POISON_STEP and hvd.rank() == 1:
+            hook = model[0].bias.register_hook(lambda g: g.index_put((torch.tensor(2),), torch.tensor(float("inf"))))
+        loss.backward()
+        if hook is not None:
+            hook.remove()
+        opt.synchronize()
+        if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            skipped.append(step)
+        if step == SMALL_POISON_STEP:
+            st = comp.stats()  # between steps: the step is settled here
+            zeroed = bool((comp._residuals["0.weight"] == 0).all())
+            nonfinite_then = st["nonfinite_steps"]
+    st = comp.stats()
+    pol = st.get("policy") or {}
+    return {"skipped": skipped, "nonfinite_steps": st["nonfinite_steps"], "nonfinite_then": nonfinite_then,
+            "zeroed": zeroed, "observed": pol.get("step"),
+            "params": [float(p.detach().double().sum()) for p in model.parameters()],
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def small_poison_job() -> dict:
+    return {kind: _train_small_poison(kind) for kind in ("static", "adaptive", "qsgd")}
+
+
+def test_inf_in_a_passed_through_tensor_counts_and_leaves_no_trace():
+    """The step is skipped on every rank (Horovod's reduced small tensor is inf everywhere), counted in
+    nonfinite_steps on every rank, not observed by the policy, and the compressed tensor's residual forgets
+    it (it was keeping the skipped step's gradient). Every rank ends with the same weights."""
+    r0, r1 = run_function(small_poison_job, timeout=300)
+    for r in (r0, r1):
+        for kind, got in r.items():
+            assert got["skipped"] == [SMALL_POISON_STEP], (kind, got)
+            assert got["nonfinite_steps"] == got["nonfinite_then"] == 1, (kind, got)
+            assert got["zeroed"] and got["finite"], (kind, got)
+        assert r["static"]["observed"] == STEPS - 1 - 2  # one step late, plus the step in flight
+        assert r["adaptive"]["observed"] == STEPS - 1 - 2
+    for kind in r0:
+        assert r0[kind]["params"] == r1[kind]["params"], kind
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27, weak item: random-k with a different seed on each rank is refused, the same on every rank
+# ------------------------------------------------------------------------------------------------
+def _randomk_run(seed: int, tag: str, steps: int = 4) -> list[str]:
+    import horovod.torch as hvd
+
+    from crossover import AdaptiveCompression, StaticCompression
+
+    out = []
+    for i, make in enumerate((lambda: StaticCompression("randomk", cf=4, seed=seed, min_compress_numel=1),
+                              lambda: AdaptiveCompression("randomk", cf_min=4, seed=seed, min_compress_numel=1))):
+        comp = make()
+        model = _net()
+        # fresh names per run: a refused step leaves its other allreduces unsynchronized under the old names
+        named = [(f"{tag}{i}.{n}", p) for n, p in model.named_parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02), named_parameters=named,
+                                       compression=comp)
+        gen = torch.Generator().manual_seed(hvd.rank())
+        try:
+            for _ in range(steps):
+                x, y = _batch(gen)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            out.append(f"trained {comp.stats()['step']}")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def seed_job() -> dict:
+    import horovod.torch as hvd
+
+    return {"rank_seeds": _randomk_run(hvd.rank(), "a"), "far_seeds": _randomk_run(1000 * hvd.rank() + 7, "b"),
+            "same_seed": _randomk_run(11, "c")}
+
+
+def test_randomk_with_a_seed_per_rank_is_refused_on_every_rank():
+    """`StaticCompression("randomk", seed=hvd.rank())` summed values drawn at different indices (replicas
+    silently diverged): the seed's fingerprint in the reduced statistics now stops it at the first step,
+    with the same error on every rank; equal seeds train as before."""
+    for r in run_function(seed_job, timeout=300):
+        for case in ("rank_seeds", "far_seeds"):
+            for msg in r[case]:
+                assert "different seeds" in msg and "same seed on every rank" in msg, (case, msg)
+        assert r["same_seed"] == ["trained 4", "trained 4"]

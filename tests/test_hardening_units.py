@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import errno
 import logging
+import math
 import os
 
 import pytest
@@ -424,3 +425,48 @@ def test_residual_of_a_resized_tensor_is_dropped_with_a_warning(warnings_of):
     mem = ErrorFeedback()
     mem.load({"w": torch.ones(5)})
     assert bool((mem.residual("w", torch.zeros(6)) == 0).all()) and len(said) == 1 and "dropped" in said[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# weak item: the seed fingerprint that rides in random-k's statistics
+# ------------------------------------------------------------------------------------------------
+def _reduce32(v: torch.Tensor, pre: float, post: float) -> float:
+    """A float32 reduction: each value times `pre`, sequential partial sums (the worst order for rounding),
+    the sum times `post`."""
+    acc = torch.zeros((), dtype=torch.float32)
+    for x in v:
+        acc = acc + x * torch.tensor(pre, dtype=torch.float32)
+    return float(acc * torch.tensor(post, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, 64, 250])
+def test_seed_fingerprint_survives_float32_reductions(world):
+    """Equal seeds never look different, one differing seed always does, after the float32 reductions the
+    hosts apply (Horovod: sum, then x 1/world; DDP: x 1/world, then sum), on every rank alike."""
+    from crossover.compression.wire import SEED_CHECK_SPAN, seed_fingerprint, seeds_disagree
+
+    span = SEED_CHECK_SPAN // world
+    for seeds in ([span - 1] * world, [0] * world, [5] * world, list(range(world)),
+                  [0] * (world - 1) + [1], [span - 1] * (world - 1) + [span - 2]):
+        f = torch.tensor([seed_fingerprint(s, world) for s in seeds], dtype=torch.float32)
+        one = torch.ones(world, dtype=torch.float32)
+        for pre, post in ((1.0, 1.0 / world), (1.0 / world, 1.0)):
+            scale = _reduce32(one, pre, post)
+            sum_f, sum_f2 = _reduce32(f, pre, post) * world / scale, _reduce32(f * f, pre, post) * world / scale
+            assert seeds_disagree(sum_f, sum_f2, world) == (len(set(seeds)) > 1), (seeds, pre, post)
+
+
+def test_driver_refuses_disagreeing_seeds_only_with_the_check():
+    from crossover.compression.wire import SparseStatsLayout, seed_fingerprint
+
+    layout = SparseStatsLayout(1, seed_check=True)
+    vecs = [layout.local(step_time=0.1, grad_sq=4.0, acc_sq=4.0, probe_sq=[1.0], seed_fp=seed_fingerprint(s, 2))
+            for s in (0, 1)]
+    reduced = [a + b for a, b in zip(*vecs)]
+    drv = SparseStepDriver(StaticPolicy(cf=4.0), compressor="randomk", seed=0, seed_check=True)
+    drv.begin_step(0.0)
+    with pytest.raises(ValueError, match="different seeds"):
+        drv.add_reduced(reduced, 2)
+    same = [2 * v for v in vecs[0]]
+    drv.add_reduced(same, 2)
+    assert drv.current.tensors == 1 and math.isclose(drv.current.grad_sq, 8.0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Union
@@ -148,6 +149,8 @@ class _CodecEngine(_Engine):
         self.layouts = BucketLayouts(memory)
         self._reduced: dict[int, Any] = {}  # bucket index -> reduced statistics (written by callbacks)
         self._step_buckets: dict[str, int] = {}  # buckets of the step in flight: "large" or the dtype passed through
+        self._passed: dict[int, torch.Tensor] = {}  # bucket index -> finite after the reduction (callbacks)
+        self._step_keys: dict[int, str] = {}  # bucket index -> key, for the buckets compressed this step
         self._warned = False
 
     # the subclass's driver and codec
@@ -163,6 +166,12 @@ class _CodecEngine(_Engine):
     def _skips_all(self) -> bool:
         return False
 
+    def _mark_nonfinite(self) -> None:
+        self.driver.mark_nonfinite()
+
+    def _step_nonfinite(self) -> bool:
+        raise NotImplementedError
+
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         raise NotImplementedError
 
@@ -171,13 +180,31 @@ class _CodecEngine(_Engine):
 
     # ------------------------------------------------------------------ per bucket
     def flush(self) -> None:
-        """Feed the reduced statistics of the last step to the driver, in bucket order (same on every rank)."""
-        if not self._reduced:
-            return
-        world = self.comm.size()
-        for index in sorted(self._reduced):
-            self._feed(self._reduced[index], world)
-        self._reduced.clear()
+        """Feed the reduced statistics of the last step to the driver, in bucket order (same on every rank).
+
+        A bucket passed through (too small, not float32) reaches every rank with the same reduced values, so
+        inf/NaN in it marks the step non-finite alike everywhere with no collective. A non-finite step leaves
+        no trace in error feedback: a compressed bucket whose decode did not put its residual back (its own
+        statistics were finite) has it reset to zeros.
+        """
+        passed, self._passed = self._passed, {}
+        keys, self._step_keys = self._step_keys, {}
+        undone = set()
+        if self._reduced:
+            world = self.comm.size()
+            for index in sorted(self._reduced):
+                reduced = self._reduced[index]
+                if not all(math.isfinite(float(v)) for v in reduced):
+                    undone.add(index)  # the codec put this bucket's residual back
+                self._feed(reduced, world)
+            self._reduced.clear()
+        if passed and not bool(torch.stack(list(passed.values())).all()):  # one device per DDP process
+            self._mark_nonfinite()
+        if keys and self._step_nonfinite():
+            for index, key in keys.items():
+                res = self.layouts.memory.get(key)
+                if res is not None and index not in undone:
+                    res.zero_()
 
     def run(self, bucket: dist.GradBucket) -> Future:
         index = bucket.index()
@@ -196,8 +223,17 @@ class _CodecEngine(_Engine):
                 res = self.layouts.memory.pop(self.layouts.key(index, bucket.parameters(), buf))
                 if res is not None and res.dtype == buf.dtype:
                     buf.add_(res.view_as(buf))
-            return _allreduce_mean(buf, self.group)
+            passed = self._passed
+
+            def seen(f: Future) -> torch.Tensor:
+                out = f.value()
+                if out.is_floating_point():
+                    passed[index] = torch.isfinite(out).all()  # read at the next step's flush
+                return out
+
+            return _allreduce_mean(buf, self.group).then(seen)
         key = self.layouts.key(index, bucket.parameters(), buf)
+        self._step_keys[index] = key
         self._count(0, nbytes)
         payload, ctx, sent = self._encode(key, buf)
         self._count(sent, 0)
@@ -249,12 +285,16 @@ class _CodecEngine(_Engine):
             self.layouts.validate(state["residuals"])
         self.driver.load_state_dict(state["driver"])
         self._reduced.clear()
+        self._passed.clear()
+        self._step_keys.clear()
         if "residuals" in state:
             self.layouts.load(state["residuals"])
 
     def reset(self) -> None:
         self._reduced.clear()
         self._step_buckets.clear()
+        self._passed.clear()
+        self._step_keys.clear()
         self.layouts.reset()
         self.driver.reset()
 
@@ -281,7 +321,7 @@ class _SparseEngine(_CodecEngine):
         super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
         self.comm.equal_sizes = gather == "pad"
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
-                                       rank=self.comm.rank)
+                                       rank=self.comm.rank, seed_check=self.codec.seed_check)
         self.compressor = compressor
 
     def _begin_step(self) -> None:
@@ -292,6 +332,9 @@ class _SparseEngine(_CodecEngine):
 
     def _skips_all(self) -> bool:
         return self.driver.skips_all()
+
+    def _step_nonfinite(self) -> bool:
+        return self.driver.current is not None and self.driver.current.nonfinite
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm)
@@ -324,6 +367,9 @@ class _QuantEngine(_CodecEngine):
     def _feed(self, reduced: Any, world: int) -> None:
         one, sq = reduced
         self.driver.add_reduced_sq(one, sq, world)
+
+    def _step_nonfinite(self) -> bool:
+        return self.driver.step_nonfinite
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         self.driver.add_tensor(buf.numel())

@@ -107,6 +107,15 @@ class QuantStepDriver:
         if math.isfinite(reduced_one) and reduced_one > 0:
             self.add_sq_sum(reduced_sq * world / reduced_one)
 
+    @property
+    def step_nonfinite(self) -> bool:
+        """Whether the step in flight was found non-finite (it will not be observed)."""
+        return self._nonfinite
+
+    def mark_nonfinite(self) -> None:
+        """The step in flight is non-finite though its norms were not (a tensor passed through untouched)."""
+        self.add_sq_sum(float("nan"))
+
     def add_sq_sum(self, sq_sum: float) -> None:
         """||x||^2 summed over ranks (and tensors), for the step in flight; inf/NaN marks it non-finite."""
         if not math.isfinite(sq_sum):

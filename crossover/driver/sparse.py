@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
 from crossover.compression.checks import check_seed
-from crossover.compression.wire import SparseStatsLayout, normalize_reduced
+from crossover.compression.wire import SparseStatsLayout, normalize_reduced, seeds_disagree
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
 
@@ -53,8 +54,9 @@ class SparseStepDriver:
     """Step counter, plans, one-step-late observation, byte counters and state of a CF policy."""
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
-                 rank: Callable[[], int] = lambda: 0) -> None:
+                 rank: Callable[[], int] = lambda: 0, seed_check: bool = False) -> None:
         self.policy = policy
+        self.seed_check = seed_check  # the payloads carry the seed's fingerprint (the codec's `seed_check`)
         self.compressor = compressor
         self.seed = check_seed(seed)
         self.log = StepLog(log_csv, rank)
@@ -106,7 +108,7 @@ class SparseStepDriver:
     @property
     def layout(self) -> SparseStatsLayout:
         """The statistics layout of the step in flight."""
-        return SparseStatsLayout(len(self.current.probes) if self.current else 0)
+        return SparseStatsLayout(len(self.current.probes) if self.current else 0, self.seed_check)
 
     def add_reduced(self, reduced: Sequence[float], world: int) -> None:
         """One tensor's reduced statistics vector (as the reduction left it) for the step in flight."""
@@ -115,17 +117,37 @@ class SparseStepDriver:
             return
         sums = normalize_reduced(reduced, world)
         if sums is not None:
+            layout = SparseStatsLayout(len(rec.probes), self.seed_check)
+            self._check_seeds(sums, layout, world)
             flags = (rec.nonfinite, rec.saturated)
-            rec.add(sums, SparseStatsLayout(len(rec.probes)))
+            rec.add(sums, layout)
+            self._count_flags(rec, flags)
+
+    def _check_seeds(self, sums: Sequence[float], layout: SparseStatsLayout, world: int) -> None:
+        """Raise ValueError, on every rank alike, when the ranks' seeds differ (their fingerprints' spread)."""
+        if not layout.seed_check:
+            return
+        f, f2 = sums[layout.seed_fp], sums[layout.seed_fp + 1]
+        if math.isfinite(f) and math.isfinite(f2) and seeds_disagree(f, f2, world):
+            raise ValueError(f"crossover: the ranks were given different seeds (seed={self.seed} here): "
+                             f"{self.compressor} draws the indices every rank sends from the seed, so the "
+                             f"replicas would silently diverge. Pass the same seed on every rank (not hvd.rank())")
+
+    def mark_nonfinite(self) -> None:
+        """The step in flight is non-finite though its statistics were not: a tensor that went through
+        untouched (too small, not float32) held inf/NaN after the reduction, alike on every rank."""
+        rec = self.current
+        if rec is not None:
+            flags = (rec.nonfinite, rec.saturated)
+            rec.nonfinite = True
             self._count_flags(rec, flags)
 
     def _count_flags(self, rec: StepRecord, before: tuple[bool, bool]) -> None:
         """Count a step once when it first turns out non-finite or saturated."""
         if rec.nonfinite and not before[0]:
             self.nonfinite_steps += 1
-            log.warning("crossover: step %d has non-finite gradient statistics (inf/NaN on some rank): the "
-                        "affected tensors decode to NaN, their residuals are restored, the policy skips the step",
-                        rec.step)
+            log.warning("crossover: step %d has non-finite gradients (inf/NaN on some rank): compressed tensors "
+                        "with inf/NaN decode to NaN, error feedback forgets the step, the policy skips it", rec.step)
         if rec.saturated and not before[1]:
             self.saturated_steps += 1
 
