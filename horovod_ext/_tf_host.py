@@ -208,9 +208,31 @@ class TFHookBase(metaclass=CompressionType):
         out.update({k: v.copy() for k, v in self._pending_residuals.items() if k not in out})
         return out
 
-    def _load_residuals(self, residuals: Mapping[str, Any]) -> None:
+    def _check_residuals(self, residuals: object) -> dict[str, np.ndarray]:
+        """Saved residuals as flat float32 arrays, checked before anything is applied (as the torch objects):
+        a mapping of str keys to finite numeric arrays, each of its variable's size when it exists."""
+        if not isinstance(residuals, Mapping):
+            raise ValueError(f"residuals must be a mapping of key -> array, got {type(residuals).__name__}")
+        out = {}
         for key, value in residuals.items():
-            arr = np.asarray(value, np.float32).reshape(-1)
+            if not isinstance(key, str) or isinstance(value, (str, bytes)) or value is None:
+                raise ValueError(f"residual {key!r} must be a numeric array under a str key, "
+                                 f"got {type(value).__name__}")
+            try:
+                arr = np.asarray(value, np.float32).reshape(-1)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"residual {key!r} is not a numeric array: {exc}") from None
+            if not np.isfinite(arr).all():
+                raise ValueError(f"residual {key!r} holds inf/NaN values")
+            var = self._residuals.get(key)
+            if var is not None and int(var.shape[0]) != arr.size:
+                raise ValueError(f"residual {key!r} has {arr.size} elements; this run's tensor has {int(var.shape[0])}")
+            out[key] = arr
+        return out
+
+    def _load_residuals(self, residuals: Mapping[str, np.ndarray]) -> None:
+        """Assign residuals checked by `_check_residuals`."""
+        for key, arr in residuals.items():
             var = self._residuals.get(key)
             if var is not None and int(var.shape[0]) == arr.size:
                 var.assign(arr)
