@@ -198,9 +198,8 @@ def job_small_bucket_inf(steps: int, poison_step: int) -> dict:
             else:
                 skipped.append(step)
             if step == poison_step:
-                sd = st.state_dict()  # between steps: the step is settled here
-                zeroed = all(bool((r == 0).all()) for r in sd["residuals"].values())
-                nonfinite_then = st.stats()["nonfinite_steps"]
+                nonfinite_then = st.stats()["nonfinite_steps"]  # between steps: the step is settled here
+                zeroed = all(bool((r == 0).all()) for r in st.state_dict()["residuals"].values())
                 layouts = st._engine.layouts
                 owner = layouts._owner[layouts._ordinal[id(model[2].bias)]]
                 small = layouts._layouts[owner].numel < SMALL_BUCKET

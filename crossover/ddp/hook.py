@@ -271,6 +271,7 @@ class _CodecEngine(_Engine):
 
     # ------------------------------------------------------------------ state (the subclass's `driver`)
     def stats(self) -> dict[str, Any]:
+        self.flush()  # between steps: the last step's statistics (non-finite or not) count now
         return self.driver.stats()
 
     def state_dict(self) -> dict[str, Any]:
