@@ -14,6 +14,7 @@ Where compress is traced from (Horovod's op, its cond) is read in horovod_ext/_i
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from crossover.compression.checks import check_flag, check_seed
 from crossover.driver import check_min_numel
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
@@ -32,6 +34,7 @@ __all__ = ["INSIDE_FUNCTION_ERROR", "TFHookBase", "check_built_outside_function"
 
 # compression=AdaptiveCompression (the class) fails when the optimizer or tape is built
 guard_constructors(hvd, ("DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape"))
+log = logging.getLogger(__name__)
 _INSTANCES = itertools.count()  # objects are created in the same order on every rank: a shared id
 INSIDE_FUNCTION_ERROR = (
     "crossover's {name} was created inside a tf.function. It keeps state across steps (tf.Variables: "
@@ -85,8 +88,8 @@ class TFHookBase(metaclass=CompressionType):
     def __init__(self, *, min_compress_numel: int, error_feedback: bool, seed: int) -> None:
         check_built_outside_function(self)
         self.min_compress_numel = check_min_numel(min_compress_numel)
-        self.error_feedback = bool(error_feedback)
-        self.seed = int(seed)
+        self.error_feedback = check_flag("error_feedback", error_feedback)
+        self.seed = check_seed(seed)
         self._uid = next(_INSTANCES)  # in collective names: two objects' tensors never share a name
         self._lock = threading.RLock()
         self._plans: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -96,6 +99,7 @@ class TFHookBase(metaclass=CompressionType):
         self._eager_plan: tf.Tensor | None = None
         self._eager_phase = "idle"
         self._eager_ordinal = 0
+        self._warned_dtype = False
         self.driver: Any = None  # the subclass's step driver (crossover/driver/)
 
     # Horovod hashes the compression (its cached allreduce function is keyed by it): keep identity hashing.
@@ -159,6 +163,11 @@ class TFHookBase(metaclass=CompressionType):
 
     def _passthrough(self, tensor: Any, plan: tf.Tensor | None) -> tuple[Any, None]:
         """Count a tensor that goes through untouched (it is Horovod's own dense path)."""
+        if tensor.dtype in (tf.float16, tf.bfloat16, tf.float64) and not self._warned_dtype:
+            self._warned_dtype = True  # said once, when the step is traced
+            log.warning("crossover: gradients of dtype %s go through uncompressed (Horovod's dense path; crossover "
+                        "compresses float32 gradients only, which is what Keras' mixed_float16 policy keeps)",
+                        tensor.dtype.name)
         nbytes = tf.cast(tf.size(tensor), tf.float64) * tensor.dtype.size
         vec = tf.concat([tf.zeros([self._acc_len() - 2], tf.float64), tf.stack([nbytes, nbytes])], 0)
         # after this step's "begin step" (which reads and clears the accumulator); with no plan
@@ -204,9 +213,31 @@ class TFHookBase(metaclass=CompressionType):
         out.update({k: v.copy() for k, v in self._pending_residuals.items() if k not in out})
         return out
 
-    def _load_residuals(self, residuals: Mapping[str, Any]) -> None:
+    def _check_residuals(self, residuals: object) -> dict[str, np.ndarray]:
+        """Saved residuals as flat float32 arrays, checked before anything is applied (as the torch objects):
+        a mapping of str keys to finite numeric arrays, each of its variable's size when it exists."""
+        if not isinstance(residuals, Mapping):
+            raise ValueError(f"residuals must be a mapping of key -> array, got {type(residuals).__name__}")
+        out = {}
         for key, value in residuals.items():
-            arr = np.asarray(value, np.float32).reshape(-1)
+            if not isinstance(key, str) or isinstance(value, (str, bytes)) or value is None:
+                raise ValueError(f"residual {key!r} must be a numeric array under a str key, "
+                                 f"got {type(value).__name__}")
+            try:
+                arr = np.asarray(value, np.float32).reshape(-1)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"residual {key!r} is not a numeric array: {exc}") from None
+            if not np.isfinite(arr).all():
+                raise ValueError(f"residual {key!r} holds inf/NaN values")
+            var = self._residuals.get(key)
+            if var is not None and int(var.shape[0]) != arr.size:
+                raise ValueError(f"residual {key!r} has {arr.size} elements; this run's tensor has {int(var.shape[0])}")
+            out[key] = arr
+        return out
+
+    def _load_residuals(self, residuals: Mapping[str, np.ndarray]) -> None:
+        """Assign residuals checked by `_check_residuals`."""
+        for key, arr in residuals.items():
             var = self._residuals.get(key)
             if var is not None and int(var.shape[0]) == arr.size:
                 var.assign(arr)

@@ -67,7 +67,10 @@ class TorchHookBase(metaclass=CompressionType):
         self._owner: weakref.ReferenceType[Any] | None = None  # the one optimizer this object serves
         self._step_large = 0  # float32 tensors of the step in flight at or above min_compress_numel
         self._step_small = 0  # tensors passed through in the step in flight: below min_compress_numel
+        self._step_other: set[str] = set()  # dtypes of floating gradients passed through as not float32
         self._warned_small = False
+        self._passed: list[torch.Tensor] = []  # per tensor passed through this step: finite after the reduction
+        self._step_keys: dict[str, bool] = {}  # compressed this step -> its decode already undid it (non-finite)
 
     # ------------------------------------------------------------------ for subclasses
     def _begin_step(self) -> None:
@@ -89,6 +92,18 @@ class TorchHookBase(metaclass=CompressionType):
     def _optimizer_seen(self, opt: Any) -> None:
         """The calling optimizer (None when unknown), once per compress."""
 
+    def _mark_nonfinite(self) -> None:
+        """A tensor passed through untouched was inf/NaN after the reduction: tell the driver (not observed)."""
+
+    def _step_nonfinite(self) -> bool:
+        """Whether the driver holds the step in flight as non-finite (its statistics, or `_mark_nonfinite`)."""
+        return False
+
+    @property
+    def _residuals(self) -> dict[str, torch.Tensor]:
+        """The codec's error-feedback residuals by key (the live tensors)."""
+        return {}
+
     # ------------------------------------------------------------------ Horovod interface
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Called by Horovod per gradient; returns the tensor to allreduce and a context."""
@@ -107,21 +122,27 @@ class TorchHookBase(metaclass=CompressionType):
         if tensor.dtype == torch.float32 and not tensor.is_sparse:
             self._step_small += int(small)
             self._step_large += int(not small)
+        elif tensor.is_floating_point() and not tensor.is_sparse:
+            self._step_other.add(str(tensor.dtype).replace("torch.", ""))
         if tensor.dtype != torch.float32 or tensor.is_sparse or small or self._skips_all():
             self._count(nbytes, nbytes)
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
         if repeated:  # same parameter twice in one step: treat as a new step
+            self._settle_step()
             self._begin_step()
             self._keys.begin()
             self._keys.key(name)
         self._count(0, nbytes)
+        self._step_keys[key] = False
         return self._compress_float(tensor, key)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
         if ctx is None:
+            if tensor.is_floating_point() and not tensor.is_sparse:
+                self._passed.append(torch.isfinite(tensor).all())  # no sync here: read once, at the step's end
             return tensor
         return self._decompress(tensor, ctx)
 
@@ -129,20 +150,57 @@ class TorchHookBase(metaclass=CompressionType):
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         self._phase = "idle"
         self._keys.begin()
+        self._passed.clear()
+        self._step_keys.clear()
 
     # ------------------------------------------------------------------ internals
     def _new_step(self) -> None:
         """The first compress of a step: say once if the last step compressed nothing for its size."""
-        if self._step_small and not self._step_large and not self._warned_small:
+        if self._step_other and not self._step_large and not self._warned_small:
+            self._warned_small = True
+            log.warning("crossover: no gradient was compressed in a step: gradients of dtype %s went through "
+                        "uncompressed (Horovod's dense path; crossover compresses float32 gradients only, which "
+                        "is what a float32 model trained with torch.autocast has); stats() reports CF 1",
+                        "/".join(sorted(self._step_other)))
+        elif self._step_small and not self._step_large and not self._warned_small:
             self._warned_small = True
             log.warning("crossover: no gradient was compressed in a step: all %d float32 gradients are smaller "
                         "than min_compress_numel=%d elements and went through uncompressed (Horovod's dense "
                         "path). Pass a smaller min_compress_numel to compress them.", self._step_small,
                         self.min_compress_numel)
         self._step_large = self._step_small = 0
+        self._step_other.clear()
+        self._settle_step()
         self._begin_step()
         self._phase = "compress"
         self._keys.begin()
+
+    def _settle_step(self) -> None:
+        """The step in flight is over (the next begins, or stats()/state_dict() between steps).
+
+        A tensor passed through untouched (below min_compress_numel, not float32) reaches every rank with the
+        same reduced value, so inf/NaN in it is seen alike everywhere with no collective: the step is then
+        non-finite although every compressed tensor's statistics were finite. A non-finite step, whatever
+        showed it, leaves no trace in error feedback: a compressed tensor whose own decode did not already
+        put its residual back (its statistics were finite) has it reset to zeros (the pre-step residual is
+        gone by now; keeping the step's gradient would send the skipped step later).
+        """
+        flags, self._passed = self._passed, []
+        if flags and not all(bool(torch.stack([f for f in flags if f.device == d]).all())
+                             for d in {f.device for f in flags}):
+            self._mark_nonfinite()
+        if self._step_keys and self._step_nonfinite():
+            residuals = self._residuals
+            for key, undone in self._step_keys.items():
+                res = residuals.get(key)
+                if res is not None and not undone:
+                    res.zero_()
+        self._step_keys.clear()
+
+    def _between_steps(self) -> None:
+        """Settle the last step if it is over (called by stats() and state_dict())."""
+        if self._phase == "decompress":
+            self._settle_step()
 
     def _check_owner(self, opt: Any) -> None:
         """One optimizer per stateful compression object: a second live one raises (same on every rank)."""

@@ -260,14 +260,17 @@ class _SparseCompression(TFHookBase):
             return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()` (between steps); the step in flight, if any, is dropped."""
+        """Restore from `state_dict()` (between steps); the step in flight, if any, is dropped. Everything is
+        checked first: a bad state raises ValueError and changes nothing."""
         with self._lock:
+            has_residuals = isinstance(state, Mapping) and "residuals" in state
+            residuals = self._check_residuals(state["residuals"]) if has_residuals else None
+            self.driver.load_state_dict(state)
             if self._acc_var is not None:
                 self._read_and_clear()
-            self.driver.load_state_dict(state)
             self.seed = self.driver.seed
-            if "residuals" in state:
-                self._load_residuals(state["residuals"])
+            if residuals is not None:
+                self._load_residuals(residuals)
             if self.driver.current is not None:  # its statistics were in the accumulator: they are lost
                 self.driver.current.tensors = 0
 

@@ -269,9 +269,10 @@ class DqsgdCompression(_QuantizedBase):
             return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()` between steps."""
+        """Restore from `state_dict()` between steps; everything checked first (ValueError, nothing changed)."""
         with self._lock:
+            residuals = self._check_residuals(state.get("residuals", {}) if isinstance(state, Mapping) else {})
+            self.driver.load_state_dict(state)
             if self._acc_var is not None:
                 self._read_and_clear()
-            self.driver.load_state_dict(state)
-            self._load_residuals(state.get("residuals", {}))
+            self._load_residuals(residuals)

@@ -17,6 +17,7 @@ How it fits Horovod's hook (see docs/compression.md and docs/architecture.md):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,7 +47,7 @@ class _SparseCompression(TorchHookBase):
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
                                  grad_norms=bool(getattr(policy, "needs_grad_norms", False)))
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
-                                       tensorboard=tensorboard)
+                                       seed_check=self.codec.seed_check, tensorboard=tensorboard)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.log_csv = log_csv
@@ -81,12 +82,22 @@ class _SparseCompression(TorchHookBase):
 
     def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         out, stats = self.codec.decode(tensor, ctx, self.comm)
-        self.driver.add_reduced(stats.tolist(), self.comm.size())
+        vec = stats.tolist()
+        if not all(math.isfinite(v) for v in vec):
+            self._step_keys[ctx.key] = True  # the codec put its residual back
+        self.driver.add_reduced(vec, self.comm.size())
         return out
+
+    def _mark_nonfinite(self) -> None:
+        self.driver.mark_nonfinite()
+
+    def _step_nonfinite(self) -> bool:
+        return self.driver.current is not None and self.driver.current.nonfinite
 
     # ------------------------------------------------------------------ telemetry and state
     def stats(self) -> dict[str, Any]:
         """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense; flat (`policy/...`)."""
+        self._between_steps()
         return self.driver.stats()
 
     def close_tensorboard(self) -> None:
@@ -95,6 +106,7 @@ class _SparseCompression(TorchHookBase):
 
     def state_dict(self, include_residuals: bool = True) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule."""
+        self._between_steps()
         state = self.driver.state_dict()
         if include_residuals:
             state["residuals"] = self.codec.memory.state()

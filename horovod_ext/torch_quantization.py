@@ -13,6 +13,7 @@ picks the next step's bits (docs/dqsgd.md). Steps, keys and pass-through: horovo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
@@ -59,8 +60,16 @@ class _QuantizedCompression(TorchHookBase):
 
     def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         out, (one, sq) = self.codec.decode(tensor, ctx, self.comm)
+        if not math.isfinite(sq):
+            self._step_keys[ctx.key] = True  # the codec reset its residual
         self.driver.add_reduced_sq(one, sq, self.comm.size())
         return out
+
+    def _mark_nonfinite(self) -> None:
+        self.driver.mark_nonfinite()
+
+    def _step_nonfinite(self) -> bool:
+        return self.driver.step_nonfinite
 
     def reset(self) -> None:
         """Forget the step in flight (elastic reset); policy state stays."""
@@ -69,6 +78,7 @@ class _QuantizedCompression(TorchHookBase):
 
     def stats(self) -> dict[str, Any]:
         """Cumulative telemetry of this rank, with the bits of the step in flight; flat (`policy/...`)."""
+        self._between_steps()
         return self.driver.stats()
 
     def close_tensorboard(self) -> None:
@@ -77,6 +87,7 @@ class _QuantizedCompression(TorchHookBase):
 
     def state_dict(self) -> dict[str, Any]:
         """Policy (with its calibrated budget), step counter, residuals."""
+        self._between_steps()
         return {**self.driver.state_dict(), "residuals": self.codec.memory.state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

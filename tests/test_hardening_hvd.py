@@ -526,3 +526,266 @@ def test_sparse_codec_restores_residuals_of_a_nonfinite_step():
     res0, res1 = (c.memory._residuals["w"] for c in codecs)
     assert torch.allclose(res0, before[0], atol=1e-5) and bool((res1 == 0).all())
     assert [d.nonfinite_steps for d in drivers] == [1, 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27 item 4: log_csv never stops training (a full disk in a real 2-rank job)
+# ------------------------------------------------------------------------------------------------
+PAGE = 4096
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs with two free pages (one per rank's log): rows fail with ENOSPC after ~30 steps."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "full"
+    d.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        (d / "filler").write_bytes(b"\0" * (64 * 1024 - 2 * PAGE))
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def _train_logged(log_csv: object, steps: int) -> tuple:
+    """Static top-k at CF 4 (deterministic): a digest of the weights after `steps` steps."""
+    import hashlib
+
+    import horovod.torch as hvd
+
+    from crossover import StaticCompression
+
+    comp = StaticCompression("topk", cf=4, min_compress_numel=1, log_csv=log_csv)
+    model = _net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    assert comp.stats()["step"] == steps
+    return digest.hexdigest(), comp.driver.log
+
+
+def full_disk_job(folder: str, steps: int) -> dict:
+    import logging
+    import os
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("crossover").addHandler(Keep())
+    plain, _ = _train_logged(None, steps)
+    logged, slog = _train_logged(os.path.join(folder, "g-{rank}.csv"), steps)
+    with open(slog.path) as fh:
+        rows = len(fh.read().splitlines()) - 1
+    refused = {}
+    for bad in ("{foo}.csv", os.path.join(folder, "missing-{rank}", "g.csv"), 123):
+        try:
+            _train_logged(bad, 1)
+            refused[str(bad)] = "accepted"
+        except ValueError as exc:
+            refused[str(bad)] = str(exc)
+    return {"same_weights": plain == logged, "rows": rows, "stopped": slog.stopped,
+            "said": [m for m in said if "log_csv" in m], "refused": refused}
+
+
+def test_full_disk_stops_the_log_not_training(full_disk):
+    """Item 4 (issue 27): rows stop with ENOSPC part-way; every rank trains to the end with the weights
+    of a run without log_csv and says so once; a bad pattern or a missing per-rank directory is refused
+    at construction on every rank (ValueError naming log_csv)."""
+    steps = 80
+    results = run_function(full_disk_job, args=[str(full_disk), steps], timeout=300)
+    for r in results:
+        assert r["same_weights"]
+        assert 0 < r["rows"] < steps - 2 and "No space left" in r["stopped"], r
+        assert len(r["said"]) == 1 and "training goes on" in r["said"][0], r["said"]
+        assert all("log_csv" in msg for msg in r["refused"].values()), r["refused"]
+        assert "does not exist" in r["refused"][str(full_disk / "missing-{rank}" / "g.csv")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27, weak items: fp16/fp64 models are said once and stats() reports what was sent (CF 1)
+# ------------------------------------------------------------------------------------------------
+def _dtype_run(make, dtype: torch.dtype, steps: int = 4) -> dict:
+    import logging
+
+    import horovod.torch as hvd
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("horovod_ext").addHandler(keep)
+    comp = make()
+    model = _net().to(dtype)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+    logging.getLogger("horovod_ext").removeHandler(keep)
+    st = comp.stats()
+    return {"cf": st["compression_factor"], "step": st["step"], "sent": st["bytes_sent"], "dense": st["bytes_dense"],
+            "said": [m for m in said if "no gradient was compressed" in m]}
+
+
+def dtype_job() -> dict:
+    from crossover import AdaptiveCompression, StaticCompression
+    from horovod_ext.torch_quantization import QSGDCompression
+
+    makers = {"gravac": lambda: AdaptiveCompression("topk", cf_min=4, min_compress_numel=1),
+              "static": lambda: StaticCompression("topk", cf=4, min_compress_numel=1),
+              "qsgd": lambda: QSGDCompression(4, min_compress_numel=1)}
+    return {f"{name}-{str(dtype)[6:]}": _dtype_run(make, dtype)
+            for name, make in makers.items() for dtype in (torch.float16, torch.float64, torch.float32)}
+
+
+def test_fp16_fp64_models_said_once_and_stats_honest():
+    for r in run_function(dtype_job, timeout=300):
+        for name, got in r.items():
+            assert got["step"] == 4, (name, got)
+            if name.endswith("float32"):  # the control: compressed, said nothing
+                assert got["cf"] > 1 and got["sent"] < got["dense"] and not got["said"], (name, got)
+            else:
+                assert got["cf"] == 1.0 and got["sent"] == got["dense"], (name, got)
+                assert len(got["said"]) == 1 and name.split("-")[1] in got["said"][0], (name, got["said"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27, weak item: inf only in a tensor too small to compress (passed through untouched)
+# ------------------------------------------------------------------------------------------------
+SMALL_POISON_STEP = 3
+
+
+def _train_small_poison(kind: str) -> dict:
+    """Only rank 1, only at SMALL_POISON_STEP, puts inf into model[0].bias (100 elements: passed through);
+    model[0].weight (20 000) is compressed. Manual GradScaler-style skip."""
+    import horovod.torch as hvd
+
+    from crossover import AdaptiveCompression, StaticCompression
+    from horovod_ext.torch_quantization import QSGDCompression
+
+    comp = {"static": lambda: StaticCompression("topk", cf=4),
+            "adaptive": lambda: AdaptiveCompression("topk", cf_min=4, cf_max=64, epsilon=0.2, window=4),
+            "qsgd": lambda: QSGDCompression(4, error_feedback=True)}[kind]()
+    model = _net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    skipped, zeroed = [], None
+    for step in range(STEPS):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        hook = None
+        if step == SMALL_POISON_STEP and hvd.rank() == 1:
+            hook = model[0].bias.register_hook(lambda g: g.index_put((torch.tensor(2),), torch.tensor(float("inf"))))
+        loss.backward()
+        if hook is not None:
+            hook.remove()
+        opt.synchronize()
+        if all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            skipped.append(step)
+        if step == SMALL_POISON_STEP:
+            st = comp.stats()  # between steps: the step is settled here
+            zeroed = bool((comp._residuals["0.weight"] == 0).all())
+            nonfinite_then = st["nonfinite_steps"]
+    st = comp.stats()
+    pol = st.get("policy") or {}
+    return {"skipped": skipped, "nonfinite_steps": st["nonfinite_steps"], "nonfinite_then": nonfinite_then,
+            "zeroed": zeroed, "observed": pol.get("step"),
+            "params": [float(p.detach().double().sum()) for p in model.parameters()],
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def small_poison_job() -> dict:
+    return {kind: _train_small_poison(kind) for kind in ("static", "adaptive", "qsgd")}
+
+
+def test_inf_in_a_passed_through_tensor_counts_and_leaves_no_trace():
+    """The step is skipped on every rank (Horovod's reduced small tensor is inf everywhere), counted in
+    nonfinite_steps on every rank, not observed by the policy, and the compressed tensor's residual forgets
+    it (it was keeping the skipped step's gradient). Every rank ends with the same weights."""
+    r0, r1 = run_function(small_poison_job, timeout=300)
+    for r in (r0, r1):
+        for kind, got in r.items():
+            assert got["skipped"] == [SMALL_POISON_STEP], (kind, got)
+            assert got["nonfinite_steps"] == got["nonfinite_then"] == 1, (kind, got)
+            assert got["zeroed"] and got["finite"], (kind, got)
+        assert r["static"]["observed"] == STEPS - 1 - 2  # one step late, plus the step in flight
+        assert r["adaptive"]["observed"] == STEPS - 1 - 2
+    for kind in r0:
+        assert r0[kind]["params"] == r1[kind]["params"], kind
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 27, weak item: random-k with a different seed on each rank is refused, the same on every rank
+# ------------------------------------------------------------------------------------------------
+def _randomk_run(seed: int, tag: str, steps: int = 4) -> list[str]:
+    import horovod.torch as hvd
+
+    from crossover import AdaptiveCompression, StaticCompression
+
+    out = []
+    for i, make in enumerate((lambda: StaticCompression("randomk", cf=4, seed=seed, min_compress_numel=1),
+                              lambda: AdaptiveCompression("randomk", cf_min=4, seed=seed, min_compress_numel=1))):
+        comp = make()
+        model = _net()
+        # fresh names per run: a refused step leaves its other allreduces unsynchronized under the old names
+        named = [(f"{tag}{i}.{n}", p) for n, p in model.named_parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02), named_parameters=named,
+                                       compression=comp)
+        gen = torch.Generator().manual_seed(hvd.rank())
+        try:
+            for _ in range(steps):
+                x, y = _batch(gen)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            out.append(f"trained {comp.stats()['step']}")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def seed_job() -> dict:
+    import horovod.torch as hvd
+
+    return {"rank_seeds": _randomk_run(hvd.rank(), "a"), "far_seeds": _randomk_run(1000 * hvd.rank() + 7, "b"),
+            "same_seed": _randomk_run(11, "c")}
+
+
+def test_randomk_with_a_seed_per_rank_is_refused_on_every_rank():
+    """`StaticCompression("randomk", seed=hvd.rank())` summed values drawn at different indices (replicas
+    silently diverged): the seed's fingerprint in the reduced statistics now stops it at the first step,
+    with the same error on every rank; equal seeds train as before."""
+    for r in run_function(seed_job, timeout=300):
+        for case in ("rank_seeds", "far_seeds"):
+            for msg in r[case]:
+                assert "different seeds" in msg and "same seed on every rank" in msg, (case, msg)
+        assert r["same_seed"] == ["trained 4", "trained 4"]

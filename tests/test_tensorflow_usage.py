@@ -97,3 +97,75 @@ def test_crossover_imported_before_horovod_tensorflow_gives_the_tensorflow_objec
             assert err < tolerance[name.split("_")[0]], (name, r["errors"])
         assert r["early_stats"]["bytes_dense"] > 0
     assert res[0]["early_cfs"] == res[1]["early_cfs"]
+
+
+def bad_settings_job():
+    """Issue 27: every setting of the TF objects checked at construction, with no coercion."""
+    from crossover.tensorflow import AdaptiveCompression, GravacCompression, QSGDCompression, StaticCompression
+
+    makers = {
+        "AdaptiveCompression": lambda **kw: AdaptiveCompression("topk", **kw),
+        "GravacCompression": lambda **kw: GravacCompression("randomk", **kw),
+        "StaticCompression": lambda **kw: StaticCompression("randomk", **kw),
+        "AdaptiveCompression(dqsgd)": lambda **kw: AdaptiveCompression(policy="dqsgd", total_steps=10, lr=0.1, **kw),
+        "QSGDCompression": lambda **kw: QSGDCompression(4, **kw),
+    }
+    bad = [("enabled", "False"), ("error_feedback", "False"), ("seed", 1.5), ("seed", "0"), ("seed", 2 ** 70),
+           ("log_csv", 123), ("log_csv", "{foo}.csv")]
+    out = {}
+    for what, make in makers.items():
+        for name, value in bad:
+            try:
+                make(**{name: value})
+                out[f"{what} {name}={value!r}"] = "accepted"
+            except TypeError:
+                continue  # the object has no such setting
+            except ValueError as exc:
+                out[f"{what} {name}={value!r}"] = str(exc)
+    return out
+
+
+def test_tf_settings_are_not_coerced():
+    """`enabled="False"`, `error_feedback="False"`, a float, str or 70-bit seed, `log_csv=123` or a pattern with
+    another placeholder than {rank}: ValueError naming the setting, at construction (as with horovod.torch)."""
+    for r in run_tf(bad_settings_job):
+        assert len(r) >= 20, r
+        for case, msg in r.items():
+            assert case.split()[-1].split("=")[0] in msg, (case, msg)
+
+
+def bad_state_job():
+    """Issue 27: a bad saved state is refused whole by the TF objects (ValueError, nothing changed)."""
+    import numpy as np
+
+    from crossover.tensorflow import QSGDCompression, StaticCompression
+
+    out = {}
+    for name, comp in (("static", StaticCompression("topk", cf=4)), ("qsgd", QSGDCompression(4))):
+        good = comp.state_dict()
+        good["residuals"] = {"#0": np.ones(8, np.float32)}
+        comp.load_state_dict(good)
+        before = comp.state_dict()
+        bad = {"nan residual": {**good, "residuals": {"#0": np.full(8, np.nan, np.float32)}},
+               "str residual": {**good, "residuals": {"#0": "abc"}},
+               "residuals a list": {**good, "residuals": [np.ones(8)]},
+               "None": None,
+               "missing step": {k: v for k, v in good.items() if k != "step"},
+               "negative step, good residuals": {**good, "step": -1}}
+        for what, state in bad.items():
+            try:
+                comp.load_state_dict(state)
+                out[f"{name} {what}"] = "accepted"
+            except ValueError as exc:
+                after = comp.state_dict()
+                same = {k: v for k, v in after.items() if k != "residuals"} == \
+                    {k: v for k, v in before.items() if k != "residuals"}
+                same = same and all(np.array_equal(after["residuals"][k], before["residuals"][k])
+                                    for k in before["residuals"])
+                out[f"{name} {what}"] = "unchanged" if same else f"changed: {exc}"
+    return out
+
+
+def test_tf_bad_states_refused_and_change_nothing():
+    for r in run_tf(bad_state_job):
+        assert r and all(v == "unchanged" for v in r.values()), r

@@ -8,8 +8,12 @@ from typing import Any
 
 def check_saved_state(kind: str, state: Mapping[str, Any], version: int, config: Mapping[str, Any]) -> None:
     """Raise ValueError unless ``state`` has ``version`` and was saved with exactly ``config``."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{kind} state must be a mapping, got {type(state).__name__}")
     if state.get("version") != version:
         raise ValueError(f"unsupported {kind} state version {state.get('version')!r}")
+    if not isinstance(state.get("config"), Mapping):
+        raise ValueError(f"{kind} state: config must be a mapping of settings, got {state.get('config')!r}")
     saved = dict(state["config"])
     diff = sorted(k for k in set(config) | set(saved) if saved.get(k) != config.get(k))
     if diff:

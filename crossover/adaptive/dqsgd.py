@@ -398,16 +398,44 @@ class DqsgdPolicy:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the saved config must equal this policy's config."""
+        """Restore :meth:`state_dict` output; the saved config must equal this policy's config. Every field is
+        checked first (present, of its type, in its range): ValueError naming it, and nothing changed."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"DqsgdPolicy state must be a mapping, got {type(state).__name__}")
         check_saved_state("DqsgdPolicy", state, _STATE_VERSION, self.config)
-        self._T = int(state["total_steps"])
-        self._next_step = int(state["next_step"])
-        self._sq_norm = None if state["grad_sq_norm"] is None else float(state["grad_sq_norm"])
-        self._lr = None if state["lr"] is None else float(state["lr"])
-        self._numel = None if state["numel"] is None else int(state["numel"])
-        self._observations = int(state["observations"])
-        self._ignored = int(state["ignored"])
-        self._spent = float(state["budget_spent"])
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"DqsgdPolicy state: missing field(s) {', '.join(missing)}")
+
+        def count(name: str, lo: int) -> int:
+            v = state[name]
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"DqsgdPolicy state: {name} must be an int >= {lo}, got {v!r}")
+            return int(v)
+
+        def real(name: str, ok: Any, want: str) -> float | None:
+            v = state[name]
+            if v is None:
+                return None
+            if not _is_real(v) or not ok(v):
+                raise ValueError(f"DqsgdPolicy state: {name} must be None or {want}, got {v!r}")
+            return float(v)
+
+        total, next_step = count("total_steps", 1), count("next_step", 0)
+        observations, ignored = count("observations", 0), count("ignored", 0)
+        sq_norm = real("grad_sq_norm", lambda v: v >= 0, "a finite number >= 0")
+        lr = real("lr", lambda v: v > 0, "a finite number > 0")
+        numel = None if state["numel"] is None else count("numel", 1)
+        spent = real("budget_spent", lambda v: v >= 0, "a finite number >= 0")
+        if spent is None:
+            raise ValueError("DqsgdPolicy state: budget_spent must be a finite number >= 0, got None")
+        if (sq_norm is None) != (lr is None) or (sq_norm is None) != (numel is None):
+            raise ValueError("DqsgdPolicy state: grad_sq_norm, lr and numel are all None (nothing observed yet) or "
+                             f"all set; got {sq_norm!r}, {lr!r}, {numel!r}")
+        # checked: apply
+        self._T, self._next_step = total, next_step
+        self._sq_norm, self._lr, self._numel = sq_norm, lr, numel
+        self._observations, self._ignored, self._spent = observations, ignored, spent
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> DqsgdPolicy:

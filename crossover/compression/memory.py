@@ -7,28 +7,41 @@ tensor (Horovod's parameter name, a DDP bucket index) and follow the gradient's 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
 
+from .checks import check_flag
+
 __all__ = ["ErrorFeedback"]
+
+log = logging.getLogger(__name__)
 
 
 class ErrorFeedback:
     """Residuals per tensor key; `enabled=False` keeps none (`residual` returns None)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled = bool(enabled)
+        self.enabled = check_flag("error_feedback", enabled)
         self._residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
-        """The residual for `key`, zeros of `like`'s size/dtype/device when new or when those changed."""
+        """The residual for `key` in `like`'s shape, dtype and device: zeros when new, or when the tensor's
+        size changed (with a warning: what it held cannot be placed)."""
         if not self.enabled:
             return None
         res = self._residuals.get(key)
-        if res is None or res.numel() != like.numel() or res.device != like.device or res.dtype != like.dtype:
-            res = torch.zeros_like(like)
-            self._residuals[key] = res
+        if res is not None and res.numel() != like.numel():
+            log.warning("error-feedback residual %r has %d elements, its gradient %d: the residual is dropped",
+                        key, res.numel(), like.numel())
+            res = None
+        if res is None:
+            res = self._residuals[key] = torch.zeros_like(like)
+        elif res.dtype != like.dtype or res.device != like.device or res.shape != like.shape:
+            # a loaded residual of another dtype or device (an fp16 or CPU copy in a checkpoint) is converted, not
+            # dropped: float16/bfloat16 -> float32 is exact, float64 rounds as the gradient itself would
+            res = self._residuals[key] = res.to(device=like.device, dtype=like.dtype).reshape(like.shape).contiguous()
         return res
 
     def get(self, key: str) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import cost_model, kernels, quantize
+from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
 from .wire import QUANT_STATS_LEN, clamp_stat, levels_for_bits, shared_seed
@@ -57,7 +58,7 @@ class QuantCodec:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         self.memory = ErrorFeedback(error_feedback)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.transport = transport
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 

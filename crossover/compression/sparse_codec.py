@@ -19,10 +19,11 @@ from typing import Protocol
 import torch
 
 from . import cost_model, kernels, transport
+from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
 from .selectors import Selector, apply_mask, k_for, make_selector
-from .wire import SparseStatsLayout, shared_seed
+from .wire import SparseStatsLayout, seed_fingerprint, shared_seed
 
 __all__ = ["SparseCodec", "StepPlan"]
 
@@ -41,13 +42,15 @@ class SparseCodec:
     def __init__(self, compressor: str, *, error_feedback: bool = True, seed: int = 0,
                  grad_norms: bool = False, fixed_gather: bool = False) -> None:
         self.selector: Selector = make_selector(compressor)
+        # shared indices need one seed on every rank: the statistics carry its fingerprint (SparseStatsLayout)
+        self.seed_check = self.selector.shared_indices
         # Every rank's allgather carries exactly k pairs (hosts whose allgather needs equal sizes, e.g.
         # torch.distributed on Gloo): an overshoot of the selector returns to the residual, a shortfall
         # is padded with pairs that add nothing.
         self.fixed_gather = bool(fixed_gather)
         self.compressor = compressor
         self.memory = ErrorFeedback(error_feedback)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.grad_norms = grad_norms  # also measure ||g|| of the raw gradient (one more read pass)
         self._outputs: dict[str, torch.Tensor] = {}
         self._packed: dict[str, torch.Tensor] = {}
@@ -84,9 +87,10 @@ class SparseCodec:
                 masks[cf] = self.selector.subselect(sel, numel, cf, seed ^ int(cf))
                 sq[cf] = kernels.sumsq(sel.val[masks[cf]].contiguous())
         acc_sq = sel.sumsq_acc if sel is not None else kernels.sumsq(acc)
-        layout = SparseStatsLayout(len(rec.probes))
+        layout = SparseStatsLayout(len(rec.probes), self.seed_check)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
-                                          acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes]),
+                                          acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
+                                          seed_fp=seed_fingerprint(self.seed, comm.size())),
                              dtype=torch.float32, device=grad.device)
         ctx = transport.SparseCtx(kind=transport.DENSE, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, grad=grad, residual=residual,

@@ -20,6 +20,7 @@ whatever buckets it has (`load()`).
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -146,8 +147,27 @@ class BucketLayouts:
         pieces = self.pieces()
         return [(self._params[o], pieces[o]) for o in sorted(pieces) if o < len(self._params)]
 
+    def validate(self, pieces: object) -> None:
+        """Raise ValueError unless `pieces` can be loaded: a mapping of parameter ordinal (int >= 0) to a
+        finite floating tensor with that parameter's number of elements, when this run has seen it (a
+        fresh hook has seen none: a piece of another size is then dropped with a warning at its bucket)."""
+        if not isinstance(pieces, Mapping):
+            raise ValueError(f"residuals must be a mapping of parameter ordinal -> tensor, got {type(pieces).__name__}")
+        for o, t in pieces.items():
+            if isinstance(o, bool) or not isinstance(o, numbers.Integral) or o < 0:
+                raise ValueError(f"residual key {o!r} must be a parameter ordinal (an int >= 0)")
+            if not isinstance(t, torch.Tensor) or t.is_sparse or not t.is_floating_point():
+                raise ValueError(f"residual of parameter #{o} must be a dense floating tensor, got "
+                                 f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else ' ' + str(t.dtype)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"residual of parameter #{o} holds inf/NaN values")
+            if o < len(self._params) and t.numel() != self._params[o].numel():
+                raise ValueError(f"residual of parameter #{o} has {t.numel()} elements; this model's parameter "
+                                 f"#{o} has {self._params[o].numel()}")
+
     def load(self, pieces: Mapping[int, torch.Tensor]) -> None:
-        """Replace every residual by `pieces` (from `pieces()`); buckets reassemble them as they come."""
+        """Replace every residual by `pieces` (from `pieces()`, checked by `validate`); buckets reassemble
+        them as they come."""
         for index in list(self._layouts):
             self.memory.pop(bucket_key(index))
         self._layouts.clear()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Union
@@ -51,6 +52,7 @@ from crossover.driver import (
     gravac_or_dense,
     lr_at,
 )
+from crossover.driver.records import check_int
 
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives
@@ -146,6 +148,10 @@ class _CodecEngine(_Engine):
         self.min_compress_numel = check_min_numel(min_compress_numel)
         self.layouts = BucketLayouts(memory)
         self._reduced: dict[int, Any] = {}  # bucket index -> reduced statistics (written by callbacks)
+        self._step_buckets: dict[str, int] = {}  # buckets of the step in flight: "large" or the dtype passed through
+        self._passed: dict[int, torch.Tensor] = {}  # bucket index -> finite after the reduction (callbacks)
+        self._step_keys: dict[int, str] = {}  # bucket index -> key, for the buckets compressed this step
+        self._warned = False
 
     # the subclass's driver and codec
     def _begin_step(self) -> None:
@@ -160,6 +166,12 @@ class _CodecEngine(_Engine):
     def _skips_all(self) -> bool:
         return False
 
+    def _mark_nonfinite(self) -> None:
+        self.driver.mark_nonfinite()
+
+    def _step_nonfinite(self) -> bool:
+        raise NotImplementedError
+
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         raise NotImplementedError
 
@@ -168,30 +180,60 @@ class _CodecEngine(_Engine):
 
     # ------------------------------------------------------------------ per bucket
     def flush(self) -> None:
-        """Feed the reduced statistics of the last step to the driver, in bucket order (same on every rank)."""
-        if not self._reduced:
-            return
-        world = self.comm.size()
-        for index in sorted(self._reduced):
-            self._feed(self._reduced[index], world)
-        self._reduced.clear()
+        """Feed the reduced statistics of the last step to the driver, in bucket order (same on every rank).
+
+        A bucket passed through (too small, not float32) reaches every rank with the same reduced values, so
+        inf/NaN in it marks the step non-finite alike everywhere with no collective. A non-finite step leaves
+        no trace in error feedback: a compressed bucket whose decode did not put its residual back (its own
+        statistics were finite) has it reset to zeros.
+        """
+        passed, self._passed = self._passed, {}
+        keys, self._step_keys = self._step_keys, {}
+        undone = set()
+        if self._reduced:
+            world = self.comm.size()
+            for index in sorted(self._reduced):
+                reduced = self._reduced[index]
+                if not all(math.isfinite(float(v)) for v in reduced):
+                    undone.add(index)  # the codec put this bucket's residual back
+                self._feed(reduced, world)
+            self._reduced.clear()
+        if passed and not bool(torch.stack(list(passed.values())).all()):  # one device per DDP process
+            self._mark_nonfinite()
+        if keys and self._step_nonfinite():
+            for index, key in keys.items():
+                res = self.layouts.memory.get(key)
+                if res is not None and index not in undone:
+                    res.zero_()
 
     def run(self, bucket: dist.GradBucket) -> Future:
         index = bucket.index()
         buf = bucket.buffer()
         if index == 0:
+            self._say_uncompressed()
             self.flush()
             self._begin_step()
         nbytes = buf.numel() * buf.element_size()
         small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
+        kind = "large" if not small else str(buf.dtype).replace("torch.", "")
+        self._step_buckets[kind] = self._step_buckets.get(kind, 0) + 1
         if small or self._skips_all():
             self._count(nbytes, nbytes)
             if small and self.layouts.memory.enabled:  # a residual left by a bucket rebuild goes out now
                 res = self.layouts.memory.pop(self.layouts.key(index, bucket.parameters(), buf))
                 if res is not None and res.dtype == buf.dtype:
                     buf.add_(res.view_as(buf))
-            return _allreduce_mean(buf, self.group)
+            passed = self._passed
+
+            def seen(f: Future) -> torch.Tensor:
+                out = f.value()
+                if out.is_floating_point():
+                    passed[index] = torch.isfinite(out).all()  # read at the next step's flush
+                return out
+
+            return _allreduce_mean(buf, self.group).then(seen)
         key = self.layouts.key(index, bucket.parameters(), buf)
+        self._step_keys[index] = key
         self._count(0, nbytes)
         payload, ctx, sent = self._encode(key, buf)
         self._count(sent, 0)
@@ -215,8 +257,21 @@ class _CodecEngine(_Engine):
 
         return fut.then(finish)
 
+    def _say_uncompressed(self) -> None:
+        """Once: the last step compressed no bucket for its dtype (fp16/fp64 models) or its size."""
+        seen, self._step_buckets = self._step_buckets, {}
+        if self._warned or not seen or "large" in seen:
+            return
+        self._warned = True
+        other = sorted(k for k in seen if k != "float32")
+        why = (f"buckets of dtype {'/'.join(other)} (crossover compresses float32 gradients only)" if other else
+               f"every float32 bucket is smaller than min_compress_numel={self.min_compress_numel} elements")
+        log.warning("crossover: no gradient bucket was compressed in a step: %s; they went through DDP's dense "
+                    "averaging, and stats() reports CF 1", why)
+
     # ------------------------------------------------------------------ state (the subclass's `driver`)
     def stats(self) -> dict[str, Any]:
+        self.flush()  # between steps: the last step's statistics (non-finite or not) count now
         return self.driver.stats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -224,13 +279,23 @@ class _CodecEngine(_Engine):
         return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._reduced.clear()
+        """Residuals checked, then the driver's state (checked whole before it applies any), then residuals."""
+        if "driver" not in state:
+            raise ValueError("not a valid compression state: no 'driver' entry")
+        if "residuals" in state:
+            self.layouts.validate(state["residuals"])
         self.driver.load_state_dict(state["driver"])
+        self._reduced.clear()
+        self._passed.clear()
+        self._step_keys.clear()
         if "residuals" in state:
             self.layouts.load(state["residuals"])
 
     def reset(self) -> None:
         self._reduced.clear()
+        self._step_buckets.clear()
+        self._passed.clear()
+        self._step_keys.clear()
         self.layouts.reset()
         self.driver.reset()
 
@@ -257,7 +322,7 @@ class _SparseEngine(_CodecEngine):
         super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
         self.comm.equal_sizes = gather == "pad"
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
-                                       rank=self.comm.rank)
+                                       rank=self.comm.rank, seed_check=self.codec.seed_check)
         self.compressor = compressor
 
     def _begin_step(self) -> None:
@@ -268,6 +333,9 @@ class _SparseEngine(_CodecEngine):
 
     def _skips_all(self) -> bool:
         return self.driver.skips_all()
+
+    def _step_nonfinite(self) -> bool:
+        return self.driver.current is not None and self.driver.current.nonfinite
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm)
@@ -300,6 +368,9 @@ class _QuantEngine(_CodecEngine):
     def _feed(self, reduced: Any, world: int) -> None:
         one, sq = reduced
         self.driver.add_reduced_sq(one, sq, world)
+
+    def _step_nonfinite(self) -> bool:
+        return self.driver.step_nonfinite
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
         self.driver.add_tensor(buf.numel())
@@ -354,8 +425,8 @@ class _Fp16Engine(_Engine):
         return {"step": self.step, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.bytes_sent, self.bytes_dense = int(state["bytes_sent"]), int(state["bytes_dense"])
+        counters = [check_int(name, state.get(name), 0) for name in ("step", "bytes_sent", "bytes_dense")]
+        self.step, self.bytes_sent, self.bytes_dense = counters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +438,7 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
                   **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
-        policy = gravac_or_dense(bool(enabled), **gravac)  # GravacPolicy's own defaults and checks
+        policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
@@ -478,11 +549,20 @@ class AdaptiveState:
         return {"version": STATE_VERSION, "policy": self.policy_name, **self._engine.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()` (same policy); the next step continues the saved schedule."""
+        """Restore from `state_dict()` (same policy); the next step continues the saved schedule.
+
+        Everything (policy state, counters, step records, residuals: finite, of this model's sizes) is
+        checked before anything is applied: a bad state raises ValueError and leaves this state unchanged.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping (from AdaptiveState.state_dict()), got {type(state).__name__}")
         if state.get("version") != STATE_VERSION or state.get("policy") != self.policy_name:
             raise ValueError(f"state is for policy {state.get('policy')!r} version {state.get('version')!r}; this "
                              f"is policy {self.policy_name!r} version {STATE_VERSION}")
-        self._engine.load_state_dict(state)
+        try:
+            self._engine.load_state_dict(state)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a valid compression state: {type(exc).__name__}: {exc}") from exc
 
     def reset(self) -> None:
         """Forget the step in flight (e.g. after an aborted step); the policy state stays."""

@@ -54,6 +54,7 @@ class QuantStepDriver:
         self._tb_mark: tuple[float, int, int] = (0.0, 0, 0)  # (start time, bytes sent, bytes dense) of this step
         if tensorboard is not None:
             self.attach_tensorboard(tensorboard, rank)
+        self._prev_numel = 0  # elements quantized in the step before the one in flight (stats())
         self.reset()
 
     def _policy_kw(self) -> dict[str, Any]:
@@ -80,6 +81,7 @@ class QuantStepDriver:
         if self.tensorboard is not None:
             self._tb_step(time.perf_counter())
         self.step += 1
+        self._prev_numel = self._numel
         self._sq, self._have_sq, self._nonfinite, self._numel = 0.0, False, False, 0
         self.bits = self._plan_bits()
         return self.bits
@@ -140,6 +142,15 @@ class QuantStepDriver:
         if math.isfinite(reduced_one) and reduced_one > 0:
             self.add_sq_sum(reduced_sq * world / reduced_one)
 
+    @property
+    def step_nonfinite(self) -> bool:
+        """Whether the step in flight was found non-finite (it will not be observed)."""
+        return self._nonfinite
+
+    def mark_nonfinite(self) -> None:
+        """The step in flight is non-finite though its norms were not (a tensor passed through untouched)."""
+        self.add_sq_sum(float("nan"))
+
     def add_sq_sum(self, sq_sum: float) -> None:
         """||x||^2 summed over ranks (and tensors), for the step in flight; inf/NaN marks it non-finite."""
         if not math.isfinite(sq_sum):
@@ -159,7 +170,10 @@ class QuantStepDriver:
     def stats(self) -> dict[str, Any]:
         """Cumulative telemetry of this rank, with the bits of the step in flight; flat (crossover/driver/flat.py):
         DQ-SGD's summary under `policy/` keys (None until its budget is calibrated)."""
-        out: dict[str, Any] = {"step": self.step, "bits": self.bits, "compression_factor": 32.0 / self.bits,
+        # what was sent: CF 1 when the latest steps quantized nothing (fp16/fp64 or small tensors went dense)
+        quantized = self.step == 0 or self._numel > 0 or self._prev_numel > 0
+        out: dict[str, Any] = {"step": self.step, "bits": self.bits,
+                               "compression_factor": 32.0 / self.bits if quantized else 1.0,
                                "gain": None, "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
                                "nonfinite_steps": self.nonfinite_steps}
         if self.policy is not None:
@@ -174,19 +188,32 @@ class QuantStepDriver:
                 "bytes_sent": self.bytes_sent, "bytes_dense": self.bytes_dense,
                 "nonfinite_steps": self.nonfinite_steps}
 
+    def _check_policy_config(self, saved: Mapping[str, Any]) -> None:
+        """A saved DQ-SGD policy must have been built from this driver's settings (its error budget too, unless
+        this run calibrates it): a fixed-bits driver takes none."""
+        if self._dq is None:
+            raise ValueError("state holds a DQ-SGD policy; this is fixed-bits QSGD")
+        want = {**self._policy_kw(), "error_budget": self._dq.get("error_budget")}
+        diff = sorted(k for k, v in want.items() if not (k == "error_budget" and v is None) and saved.get(k) != v)
+        if diff:
+            detail = ", ".join(f"{k}: saved {saved.get(k)!r} vs {want[k]!r}" for k in diff)
+            raise ValueError(f"state's DQ-SGD settings differ from this compression's: {detail}")
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict()`; validated first, ValueError and no change on bad state."""
         try:
             if not isinstance(state, Mapping) or state.get("version") != QUANT_STATE_VERSION:
                 raise ValueError(f"unsupported quantized compression state version "
                                  f"{getattr(state, 'get', lambda _: None)('version')!r}")
-            pol = state.get("policy")
+            pol = state["policy"]  # None only before DQ-SGD calibrated its budget; a missing one is refused
             policy = None if pol is None else DqsgdPolicy.from_state_dict(pol)
+            if policy is not None:
+                self._check_policy_config(policy.config)
             step = check_int("step", state["step"], 0)
             bits = check_int("bits", state["bits"], MIN_BITS)
             if bits > MAX_BITS:
                 raise ValueError(f"bits must be in [{MIN_BITS}, {MAX_BITS}], got {bits}")
-            counters = [check_int(n, state.get(n, 0), 0) for n in ("bytes_sent", "bytes_dense", "nonfinite_steps")]
+            counters = [check_int(n, state[n], 0) for n in ("bytes_sent", "bytes_dense", "nonfinite_steps")]
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a valid quantized compression state: {type(exc).__name__}: {exc}") from exc
         self.policy, self.step, self.bits = policy, step, bits

@@ -90,11 +90,16 @@ class StepRecord:
     def from_dict(cls, d: Mapping[str, Any] | None) -> StepRecord | None:
         if d is None:
             return None
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a step record must be a mapping or None, got {type(d).__name__}")
         allowed = {f.name for f in fields(cls)}
-        unknown = set(d) - allowed
-        if unknown:
-            raise ValueError(f"unknown step record fields {sorted(unknown)}")
-        rec = cls(**{**d, "probes": tuple(float(p) for p in d["probes"])})
+        unknown, missing = set(d) - allowed, allowed - set(d)
+        if unknown or missing:
+            raise ValueError(f"step record: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        probes = d["probes"]
+        if not isinstance(probes, (list, tuple)):
+            raise ValueError(f"step record probes must be a list of CFs, got {probes!r}")
+        rec = cls(**{**d, "probes": tuple(check_real("step record probe CF", p, 1.0) for p in probes)})
         rec.validate()
         return rec
 

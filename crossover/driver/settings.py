@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from crossover.adaptive.dqsgd import DqsgdPolicy
+from crossover.compression.checks import check_flag
 from crossover.driver.sparse import CfPolicy
 
 __all__ = ["DQSGD_PARAMS", "GradientKeys", "check_min_numel", "dqsgd_settings", "gravac_or_dense", "lr_at"]
@@ -49,6 +50,7 @@ def gravac_or_dense(enabled: bool, **params: Any) -> CfPolicy:
     from crossover.adaptive.gravac import GravacPolicy
     from crossover.adaptive.static import StaticPolicy
 
+    check_flag("enabled", enabled)
     known = [p for p in inspect.signature(GravacPolicy.__init__).parameters if p != "self"]
     unknown = sorted(set(params) - set(known))
     if unknown:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
-from crossover.compression.wire import SparseStatsLayout, normalize_reduced
+from crossover.compression.checks import check_seed
+from crossover.compression.wire import SparseStatsLayout, normalize_reduced, seeds_disagree
 from crossover.driver.flat import flat_stats
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
@@ -54,10 +56,11 @@ class SparseStepDriver:
     """Step counter, plans, one-step-late observation, byte counters and state of a CF policy."""
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
-                 rank: Callable[[], int] = lambda: 0, tensorboard: Any = None) -> None:
+                 rank: Callable[[], int] = lambda: 0, seed_check: bool = False, tensorboard: Any = None) -> None:
         self.policy = policy
+        self.seed_check = seed_check  # the payloads carry the seed's fingerprint (the codec's `seed_check`)
         self.compressor = compressor
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.log = StepLog(log_csv, rank)
         self.tensorboard: TensorBoardLog | None = None
         self._tb_seen: tuple[Any, Any] = (None, False)  # (searches, settled) last logged
@@ -114,7 +117,7 @@ class SparseStepDriver:
     @property
     def layout(self) -> SparseStatsLayout:
         """The statistics layout of the step in flight."""
-        return SparseStatsLayout(len(self.current.probes) if self.current else 0)
+        return SparseStatsLayout(len(self.current.probes) if self.current else 0, self.seed_check)
 
     def add_reduced(self, reduced: Sequence[float], world: int) -> None:
         """One tensor's reduced statistics vector (as the reduction left it) for the step in flight."""
@@ -123,17 +126,37 @@ class SparseStepDriver:
             return
         sums = normalize_reduced(reduced, world)
         if sums is not None:
+            layout = SparseStatsLayout(len(rec.probes), self.seed_check)
+            self._check_seeds(sums, layout, world)
             flags = (rec.nonfinite, rec.saturated)
-            rec.add(sums, SparseStatsLayout(len(rec.probes)))
+            rec.add(sums, layout)
+            self._count_flags(rec, flags)
+
+    def _check_seeds(self, sums: Sequence[float], layout: SparseStatsLayout, world: int) -> None:
+        """Raise ValueError, on every rank alike, when the ranks' seeds differ (their fingerprints' spread)."""
+        if not layout.seed_check:
+            return
+        f, f2 = sums[layout.seed_fp], sums[layout.seed_fp + 1]
+        if math.isfinite(f) and math.isfinite(f2) and seeds_disagree(f, f2, world):
+            raise ValueError(f"crossover: the ranks were given different seeds (seed={self.seed} here): "
+                             f"{self.compressor} draws the indices every rank sends from the seed, so the "
+                             f"replicas would silently diverge. Pass the same seed on every rank (not hvd.rank())")
+
+    def mark_nonfinite(self) -> None:
+        """The step in flight is non-finite though its statistics were not: a tensor that went through
+        untouched (too small, not float32) held inf/NaN after the reduction, alike on every rank."""
+        rec = self.current
+        if rec is not None:
+            flags = (rec.nonfinite, rec.saturated)
+            rec.nonfinite = True
             self._count_flags(rec, flags)
 
     def _count_flags(self, rec: StepRecord, before: tuple[bool, bool]) -> None:
         """Count a step once when it first turns out non-finite or saturated."""
         if rec.nonfinite and not before[0]:
             self.nonfinite_steps += 1
-            log.warning("crossover: step %d has non-finite gradient statistics (inf/NaN on some rank): the "
-                        "affected tensors decode to NaN, their residuals are restored, the policy skips the step",
-                        rec.step)
+            log.warning("crossover: step %d has non-finite gradients (inf/NaN on some rank): compressed tensors "
+                        "with inf/NaN decode to NaN, error feedback forgets the step, the policy skips it", rec.step)
         if rec.saturated and not before[1]:
             self.saturated_steps += 1
 
@@ -205,12 +228,19 @@ class SparseStepDriver:
         flat.py): the policy's summary under `policy/` keys."""
         summary = self.policy.summary()
         cf = summary.get("send_cf", 1.0)
+        if self.step > 0 and not self._compressed_lately():
+            cf = 1.0  # what was sent: every gradient went through dense (fp16/fp64 or small tensors)
         gains = summary.get("gains", {}) or {}
         gain = gains.get(cf, 1.0 if cf == 1.0 else None)
         out = {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
                "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
                "saturated_steps": self.saturated_steps, "compressor": self.compressor}
         return flat_stats(out, policy=summary)
+
+    def _compressed_lately(self) -> bool:
+        """Whether the latest step whose statistics arrived compressed a tensor: the step in flight (torch, DDP:
+        its statistics arrive as it decodes) or the one before it (TensorFlow: they arrive at the next step)."""
+        return any(rec is not None and rec.tensors > 0 for rec in (self.current, self.pending))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals are the glue's)."""
@@ -240,14 +270,17 @@ class SparseStepDriver:
         if state.get("version") != CF_POLICY_STATE_VERSION or state.get("compressor") != self.compressor:
             raise ValueError(f"state is for compressor {state.get('compressor')!r} version "
                              f"{state.get('version')!r}; this is {self.compressor!r} v{CF_POLICY_STATE_VERSION}")
+        missing = [name for name in self.state_dict() if name not in state]
+        if missing:  # a field left out is never read as 0: that would reset a counter or the seeds' step
+            raise ValueError(f"not a valid compression state: missing field(s) {', '.join(missing)}")
         policy = copy.deepcopy(self.policy)
         policy.load_state_dict(state["policy"])
-        seed = check_int("seed", state["seed"], -(2 ** 63))
-        counters = {name: check_int(name, state.get(name, 0), 0)
+        seed = check_seed(state["seed"])
+        counters = {name: check_int(name, state[name], 0)
                     for name in ("bytes_sent", "bytes_dense", "step", "nonfinite_steps", "saturated_steps")}
-        current = StepRecord.from_dict(state.get("current"))
-        pending = StepRecord.from_dict(state.get("pending"))
-        last_step_time = check_real("last_step_time", state.get("last_step_time", 0.0), 0.0)
+        current = StepRecord.from_dict(state["current"])
+        pending = StepRecord.from_dict(state["pending"])
+        last_step_time = check_real("last_step_time", state["last_step_time"], 0.0)
         # validated: apply
         self.policy, self.seed = policy, seed
         for name, v in counters.items():

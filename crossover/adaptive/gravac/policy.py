@@ -311,6 +311,11 @@ class GravacPolicy:
             state = {"trial_times": [], "tie": None, **state, "version": _STATE_VERSION,
                      "rates": [[*r, r[2]] if isinstance(r, list) and len(r) == 6 else r for r in rates]}
         check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
+        unused = _LADDER_UNUSED if self._search_kind == "paper" else LadderState.PAPER_FIELDS
+        for name, initial in unused.items():  # the other search's fields: saved at their initial values
+            if name not in state or state[name] != initial:
+                raise ValueError(f"GravacPolicy state: {name} must be {initial!r} for search={self._search_kind!r} "
+                                 f"(a field of the other search), got {state.get(name, '<missing>')!r}")
         read = StateReader(state)
         step = read.count("step")
         gains = GainBook.check_state(read.rows("gains", 5))
