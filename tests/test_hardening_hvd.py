@@ -716,9 +716,8 @@ def _train_small_poison(kind: str) -> dict:
             zeroed = bool((comp._residuals["0.weight"] == 0).all())
             nonfinite_then = st["nonfinite_steps"]
     st = comp.stats()
-    pol = st.get("policy") or {}
     return {"skipped": skipped, "nonfinite_steps": st["nonfinite_steps"], "nonfinite_then": nonfinite_then,
-            "zeroed": zeroed, "observed": pol.get("step"),
+            "zeroed": zeroed, "observed": st.get("policy/step"),
             "params": [float(p.detach().double().sum()) for p in model.parameters()],
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
