@@ -206,6 +206,23 @@ class _QuantizedBase(TFHookBase):
         self._mark_decompressed()
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, bits, counters, residuals (numpy arrays); DQ-SGD: its policy with the calibrated budget."""
+        with self._lock:
+            state = self.driver.state_dict()
+            state["bytes_sent"], state["bytes_dense"] = self._bytes_now()
+            state["residuals"] = self._residuals_state()
+            return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()` between steps; everything checked first (ValueError, nothing changed)."""
+        with self._lock:
+            residuals = self._check_residuals(state.get("residuals", {}) if isinstance(state, Mapping) else {})
+            self.driver.load_state_dict(state)
+            if self._acc_var is not None:
+                self._read_and_clear()
+            self._load_residuals(residuals)
+
 
 class QSGDCompression(_QuantizedBase):
     """Static QSGD: `bits` per element (2 = TernGrad-style ternary), stochastic rounding, max-norm scale.
@@ -259,20 +276,3 @@ class DqsgdCompression(_QuantizedBase):
                 value = value(lr.iterations)
             return float(np.asarray(value))
         return lr_at(lr, step, lambda: None)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Policy (with its calibrated budget), step counter, residuals (numpy arrays)."""
-        with self._lock:
-            state = self.driver.state_dict()
-            state["bytes_sent"], state["bytes_dense"] = self._bytes_now()
-            state["residuals"] = self._residuals_state()
-            return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()` between steps; everything checked first (ValueError, nothing changed)."""
-        with self._lock:
-            residuals = self._check_residuals(state.get("residuals", {}) if isinstance(state, Mapping) else {})
-            self.driver.load_state_dict(state)
-            if self._acc_var is not None:
-                self._read_and_clear()
-            self._load_residuals(residuals)
