@@ -9,7 +9,8 @@ set and Adasum cannot be seen) and the patches refuse, after one clear warning.
 
 What is touched (Horovod 0.28.1):
 * horovod.torch: the frames of `_DistributedOptimizer._allreduce_grad_async(self, p)` /
-  `_grouped_allreduce_grad_async` (locals `p`, `self`; `self._parameter_names`, `self.process_set`),
+  `_grouped_allreduce_grad_async` (locals `p`, `self`; `self._parameter_names`, `self.process_set`;
+  `_parameter_names` with the public `param_groups` gives the parameters' registration order),
   and `_DistributedAdasumOptimizer._allreduce_grad_async` (Adasum compresses parameter deltas).
 * horovod.tensorflow: the frames of `hvd.allreduce` / `grouped_allreduce` (locals `compression`, `op`)
   and of the `allreduce_fn` cond branch, plain or autograph-converted (`tf__` prefix).
@@ -25,8 +26,8 @@ import logging
 import sys
 from typing import Any
 
-__all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "tf_hook_context",
-           "ADASUM_ERROR"]
+__all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "torch_parameter_order",
+           "tf_hook_context", "ADASUM_ERROR"]
 
 log = logging.getLogger(__name__)
 
@@ -229,3 +230,18 @@ def torch_replace_handles(opt: Any, replace: Any) -> None:
         new = replace(handle)
         if new is not None:
             opt._handles[key] = (new, ctx)
+
+
+def torch_parameter_order(opt: Any) -> dict[str, int]:
+    """Horovod's parameter name -> position of the parameter in the optimizer's param_groups (the same on
+    every rank: the model's registration order). Empty on an unknown Horovod version."""
+    names = getattr(opt, "_parameter_names", None)
+    if not isinstance(names, dict) or not version_supported():
+        return {}
+    order: dict[str, int] = {}
+    for group in getattr(opt, "param_groups", ()):
+        for p in group.get("params", ()):
+            name = names.get(p)
+            if name is not None and name not in order:
+                order[name] = len(order)
+    return order

@@ -6,7 +6,9 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * a step begins at the first `compress` after a `decompress` (or when a name repeats);
 * tensors that are not float32, sparse, or smaller than `min_compress_numel` pass through untouched;
 * collectives a codec issues itself (allgather) go through `HorovodCollectives`, bound to the
-  calling optimizer's process set.
+  calling optimizer's process set, and travel in groups (crossover/compression/grouped.py): one allgather
+  per group of tensors, planned from the last step's tensors in reverse registration order (as DDP's
+  buckets), sent once the group is complete and at the latest before the step's first decompress.
 Subclasses hold a step driver (crossover/driver/) and a codec (crossover/compression/).
 """
 
@@ -19,9 +21,10 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from crossover.compression.grouped import GroupedCollectives
 from crossover.driver import GradientKeys, check_min_numel
 from horovod_ext._class_guard import CompressionType, guard_constructors
-from horovod_ext._internals import torch_hook_caller, torch_process_set
+from horovod_ext._internals import torch_hook_caller, torch_parameter_order, torch_process_set
 
 __all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]
 
@@ -61,7 +64,9 @@ class TorchHookBase(metaclass=CompressionType):
 
     def __init__(self, *, min_compress_numel: int) -> None:
         self.min_compress_numel = check_min_numel(min_compress_numel)
-        self.comm = HorovodCollectives()
+        self.grouped = True  # the codec's allgathers travel in groups (False: one per tensor, as before)
+        self.comm = GroupedCollectives(HorovodCollectives())
+        self._order: dict[str, int] = {}  # parameter name -> registration ordinal in the optimizer
         self._keys = GradientKeys()
         self._phase = "idle"  # "compress" during backward, "decompress" during synchronize
         self._owner: weakref.ReferenceType[Any] | None = None  # the one optimizer this object serves
@@ -99,8 +104,12 @@ class TorchHookBase(metaclass=CompressionType):
             self._new_step()
         if opt is not None:
             ps = torch_process_set(opt)
-            if ps is not self.comm.process_set:
-                self.comm = HorovodCollectives(ps)
+            if ps is not self.comm.inner.process_set:
+                self.comm = GroupedCollectives(HorovodCollectives(ps))
+                self.comm.begin_step()
+            if not self._order:
+                self._order = torch_parameter_order(opt)
+        self.comm.enabled = self.grouped
         self._optimizer_seen(opt)
         nbytes = tensor.numel() * tensor.element_size()
         small = tensor.numel() < self.min_compress_numel
@@ -112,14 +121,20 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
         if repeated:  # same parameter twice in one step: treat as a new step
+            self.comm.flush()
             self._begin_step()
             self._keys.begin()
             self._keys.key(name)
+            self.comm.begin_step()
         self._count(0, nbytes)
+        ordinal = self._order.get(key)  # backward runs roughly in reverse registration order; else arrival order
+        self.comm.note(-ordinal if ordinal is not None else self._step_large, tensor.numel())
         return self._compress_float(tensor, key)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
+        if self._phase == "compress":  # the step's first decompress: every compress of the step is done
+            self.comm.flush()
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
         if ctx is None:
             return tensor
@@ -129,6 +144,7 @@ class TorchHookBase(metaclass=CompressionType):
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         self._phase = "idle"
         self._keys.begin()
+        self.comm.reset()
 
     # ------------------------------------------------------------------ internals
     def _new_step(self) -> None:
@@ -143,6 +159,7 @@ class TorchHookBase(metaclass=CompressionType):
         self._begin_step()
         self._phase = "compress"
         self._keys.begin()
+        self.comm.begin_step()
 
     def _check_owner(self, opt: Any) -> None:
         """One optimizer per stateful compression object: a second live one raises (same on every rank)."""

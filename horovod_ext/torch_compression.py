@@ -43,8 +43,10 @@ class _SparseCompression(TorchHookBase):
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
                  seed: int, log_csv: str | None) -> None:
         super().__init__(min_compress_numel=min_compress_numel)
+        # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
+        # Horovod's response cache spares it the full negotiation (a size that changes renegotiates every step)
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
-                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)))
+                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True)
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
@@ -120,7 +122,7 @@ class _SparseCompression(TorchHookBase):
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
         where ranks loaded different checkpoints); residuals stay per rank. Runs on the optimizer's
         process set once a step has bound it (every member calls it; `root_rank` is a rank in that set)."""
-        ps = self.comm.process_set
+        ps = self.comm.inner.process_set
         kw = {} if ps is None else {"process_set": ps}
         state = hvd.broadcast_object(self.state_dict(include_residuals=False), root_rank=root_rank,
                                      name="crossover.compression.sync", **kw)
