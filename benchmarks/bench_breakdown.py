@@ -156,6 +156,8 @@ class Method:
             comp = AdaptiveCompression(enabled=False)
         elif arg == "adaptive":
             comp = AdaptiveCompression()
+        elif arg == "warmup":  # every step dense and measured (GraVAC's warm-up): the statistics' own cost
+            comp = AdaptiveCompression(warmup_steps=10**9)
         else:
             cname, _, cf = arg.partition(":")
             comp = StaticCompression(cname, cf=float(cf))
@@ -163,6 +165,8 @@ class Method:
         if self.variant in ("pertensor", "fixed"):  # the transport before grouping (pertensor: and variable sizes)
             comp.grouped = False
             comp.codec.fixed_gather = self.variant == "fixed"
+        if self.variant in ("pertensor", "spin"):  # Horovod's own (spinning) wait in step()
+            comp.quiet_wait = False
         self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=lr),
                                             named_parameters=[(f"{self.name}.{n}", p)
                                                               for n, p in self.model.named_parameters()],
@@ -383,7 +387,7 @@ def worker(cfg: dict[str, Any]) -> None:
     steps = cfg["attrib_steps"]
     tl_dir = Path(cfg["timeline_dir"])
     for m in methods:
-        if m.kind == "hvd":
+        if m.kind == "hvd" and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
             path = str(tl_dir / f"{m.name.replace(':', '_').replace('/', '_')}.json")
             hvd.start_timeline(path, mark_cycles=True)
             for s in range(steps):
@@ -594,7 +598,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                "warmup": args.warmup, "rounds": args.rounds, "block": args.block, "cf": args.cf,
                "attrib_steps": args.attrib_steps, "timeline_dir": args.timelines or tmp, "result": str(result)}
         cmd = [sys.executable, "-m", f"{__package__}.bench_breakdown", "--worker", json.dumps(cfg)]
-        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOROVOD_TIMELINE": "DYNAMIC",
+        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOROVOD_TIMELINE": os.environ.get("XO_TL", "DYNAMIC"),
                "MASTER_PORT": str(_free_port())}
         meta = _meta(args, argv)
         if args.no_netem:

@@ -14,6 +14,8 @@ What is touched (Horovod 0.28.1):
   and `_DistributedAdasumOptimizer._allreduce_grad_async` (Adasum compresses parameter deltas).
 * horovod.tensorflow: the frames of `hvd.allreduce` / `grouped_allreduce` (locals `compression`, `op`)
   and of the `allreduce_fn` cond branch, plain or autograph-converted (`tf__` prefix).
+* horovod.torch `_DistributedOptimizer._handles` / `_requires_update` (`torch_quiet_synchronize`: the
+  optimizer's handles are waited for by polling before Horovod's own synchronize runs);
 * horovod.torch.mpi_ops `synchronize`/`poll`/`_handle_map` and `_DistributedOptimizer.__init__` /
   `.synchronize` (crossover scheduler: horovod_ext/scheduling.py), horovod.tensorflow.keras
   `DistributedOptimizer` (Keras 3 guard: horovod_ext/keras_guard.py): those modules call
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+import weakref
 from typing import Any
 
 __all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "torch_parameter_order",
-           "tf_hook_context", "ADASUM_ERROR"]
+           "torch_quiet_synchronize", "torch_wait_quietly", "tf_hook_context", "ADASUM_ERROR"]
 
 log = logging.getLogger(__name__)
 
@@ -245,3 +249,50 @@ def torch_parameter_order(opt: Any) -> dict[str, int]:
             if name is not None and name not in order:
                 order[name] = len(order)
     return order
+
+
+# ---------------------------------------------------------------------------------------------
+# horovod.torch: waiting on an optimizer's handles without spinning
+# ---------------------------------------------------------------------------------------------
+#: Longest sleep between two polls of a pending handle: the most latency a quiet wait adds (seconds).
+QUIET_POLL_MAX_S = 2e-4
+
+
+def torch_wait_quietly(handle: Any, max_sleep: float = QUIET_POLL_MAX_S) -> None:
+    """Return once the horovod.torch collective `handle` has finished, polling with sleeps (20 us, doubling
+    up to `max_sleep`). Horovod's own wait spins in C++ on sched_yield: on a machine with a core per rank
+    that core is then taken from Horovod's background thread and the network stack while they do the work."""
+    import horovod.torch as hvd
+
+    if hvd.poll(handle):
+        return
+    delay = 2e-5
+    while not hvd.poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, max_sleep)
+
+
+def torch_quiet_synchronize(opt: Any) -> bool:
+    """Make `opt.synchronize()` (called by `step()`) wait on its allreduce handles quietly, then run Horovod's
+    own synchronize (which finds them finished). Installs on this optimizer only (an instance attribute that
+    holds no reference to it); idempotent; False, after one warning, on an unknown Horovod version."""
+    if "_crossover_quiet_sync" in vars(opt):
+        return True
+    if not check_version("waiting on gradients without spinning a core (Horovod's own wait is used)"):
+        return False
+    ref = weakref.ref(opt)
+
+    def synchronize() -> Any:
+        o = ref()
+        if o is None:  # pragma: no cover - the optimizer is gone
+            return None
+        if o.process_set.included():
+            torch_submit_missing(o)
+            for handle, _ctx in list(o._handles.values()):
+                if isinstance(handle, int):  # not a sparse allreduce's callable, not the scheduler's stand-in
+                    torch_wait_quietly(handle)
+        return type(o).synchronize(o)
+
+    opt.synchronize = synchronize
+    opt._crossover_quiet_sync = True
+    return True

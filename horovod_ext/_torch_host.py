@@ -8,7 +8,10 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * collectives a codec issues itself (allgather) go through `HorovodCollectives`, bound to the
   calling optimizer's process set, and travel in groups (crossover/compression/grouped.py): one allgather
   per group of tensors, planned from the last step's tensors in reverse registration order (as DDP's
-  buckets), sent once the group is complete and at the latest before the step's first decompress.
+  buckets), sent once the group is complete and at the latest before the step's first decompress;
+* the optimizer's `synchronize()` (in `step()`) first waits on its handles by polling with short sleeps:
+  Horovod's own wait spins a core, which a machine with a core per rank takes from the background
+  thread and the network.
 Subclasses hold a step driver (crossover/driver/) and a codec (crossover/compression/).
 """
 
@@ -24,7 +27,13 @@ import torch
 from crossover.compression.grouped import GroupedCollectives
 from crossover.driver import GradientKeys, check_min_numel
 from horovod_ext._class_guard import CompressionType, guard_constructors
-from horovod_ext._internals import torch_hook_caller, torch_parameter_order, torch_process_set
+from horovod_ext._internals import (
+    torch_hook_caller,
+    torch_parameter_order,
+    torch_process_set,
+    torch_quiet_synchronize,
+    torch_wait_quietly,
+)
 
 __all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]
 
@@ -41,8 +50,9 @@ SHARED_ERROR = ("crossover: this compression object is already used by another D
 class HorovodCollectives:
     """`crossover.compression.collectives.Collectives` over horovod.torch, on one process set."""
 
-    def __init__(self, process_set: Any = None) -> None:
+    def __init__(self, process_set: Any = None, quiet: bool = True) -> None:
         self.process_set = process_set
+        self.quiet = quiet
 
     def size(self) -> int:
         return self.process_set.size() if self.process_set is not None else hvd.size()
@@ -56,6 +66,8 @@ class HorovodCollectives:
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
     def wait(self, handle: Any) -> torch.Tensor:
+        if self.quiet:
+            torch_wait_quietly(handle)  # Horovod's own wait spins a core
         return hvd.synchronize(handle)
 
 
@@ -65,6 +77,7 @@ class TorchHookBase(metaclass=CompressionType):
     def __init__(self, *, min_compress_numel: int) -> None:
         self.min_compress_numel = check_min_numel(min_compress_numel)
         self.grouped = True  # the codec's allgathers travel in groups (False: one per tensor, as before)
+        self.quiet_wait = True  # step() polls its handles with short sleeps (False: Horovod's spinning wait)
         self.comm = GroupedCollectives(HorovodCollectives())
         self._order: dict[str, int] = {}  # parameter name -> registration ordinal in the optimizer
         self._keys = GradientKeys()
@@ -105,11 +118,14 @@ class TorchHookBase(metaclass=CompressionType):
         if opt is not None:
             ps = torch_process_set(opt)
             if ps is not self.comm.inner.process_set:
-                self.comm = GroupedCollectives(HorovodCollectives(ps))
+                old = self.comm
+                self.comm = GroupedCollectives(HorovodCollectives(ps), first_bytes=old.first_bytes,
+                                               group_bytes=old.group_bytes)
                 self.comm.begin_step()
             if not self._order:
                 self._order = torch_parameter_order(opt)
         self.comm.enabled = self.grouped
+        self.comm.inner.quiet = self.quiet_wait
         self._optimizer_seen(opt)
         nbytes = tensor.numel() * tensor.element_size()
         small = tensor.numel() < self.min_compress_numel
@@ -169,3 +185,5 @@ class TorchHookBase(metaclass=CompressionType):
         if owner is not None:
             raise ValueError(SHARED_ERROR)
         self._owner = weakref.ref(opt)
+        if self.quiet_wait:
+            torch_quiet_synchronize(opt)  # step() then waits on the gradients without spinning a core

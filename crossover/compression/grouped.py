@@ -120,7 +120,7 @@ class GroupedCollectives:
         group = self._plan.get(name)
         if group is None or name in group.filed or group.handle is not None:  # unplanned, or planned differently
             if self._extra is None or self._extra.handle is not None:
-                self._extra = _Group(f"crossover.group.extra.{name}", [])
+                self._extra = _Group("", [])  # named and ordered when sent: arrival order may differ by rank
                 self._extras.append(self._extra)
             group = self._extra
             group.members.append(name)
@@ -182,6 +182,10 @@ class GroupedCollectives:
     def _send(self, group: _Group) -> None:
         """One allgather of this rank's part: directory, then every filed member, in planned order."""
         names = [n for n in group.members if n in group.filed]
+        if not group.name:  # unplanned members: in the order every rank knows, named after the first of them
+            rank_of = {m.name: (m.order, m.name) for m in self._seen}
+            names.sort(key=lambda n: rank_of.get(n, (0.0, n)))
+            group.name = f"crossover.group.extra.{names[0]}"
         group.members = names
         head_words = 3 + 2 * len(names)
         head = _padded(4 * head_words)
