@@ -13,15 +13,20 @@ rotates every round, so that a slow phase of a shared machine falls on all of th
   hvd-none         stock Horovod, hvd.Compression.none (dense fp32)
   hvd-off          Horovod with AdaptiveCompression(enabled=False): the hook with compression off
   hvd-topk:CF      Horovod with StaticCompression("topk", cf=CF)
-  hvd-adaptive     Horovod with AdaptiveCompression() (defaults); compared at the CF it settles on
+  hvd-adaptive     Horovod with AdaptiveCompression() (defaults); compared with hvd-topk at the CF it settles on
+  hvd-warmup       Horovod with AdaptiveCompression(warmup_steps=10**9): every step dense and measured (what
+                   the statistics cost on GraVAC's dense steps)
+  METHOD/VARIANT   a Horovod method with the transport of before issue 30: /pertensor (one allgather per
+                   tensor, sizes that vary, Horovod's spinning wait), /fixed (one allgather per tensor of
+                   exactly k pairs), /spin (grouped, with Horovod's spinning wait)
   ddp-none         PyTorch DDP, no hook
   ddp-topk:CF      DDP with crossover's adaptive_hook, AdaptiveState(policy="static", cf=CF)
   ddp-adaptive     DDP with adaptive_hook, AdaptiveState() (defaults)
 
-Per method the table gives the median step and its phases: forward, backward (with the hooks' work), wait
-(Horovod: synchronize() less decompress; DDP: the rest of backward after its hook bodies), the optimizer
-step, and inside them the crossover work: compress (the glue's compress / the hook body), of which encode
-(the codec), decompress (of which decode) and the policy (the driver's planning and statistics). Then an
+Per method the table gives the median step and its phases: forward, backward (with the hooks' work; DDP also
+waits for its buckets there), wait (Horovod: synchronize() less decompress), the optimizer step, and inside
+them the crossover work: compress (the glue's compress / the hook body), of which encode (the codec),
+decompress (of which decode) and the policy (the driver's planning and statistics). Then an
 attribution pass (a few steps per method after the timed rounds) counts per step the collectives submitted
 and those that ran after Horovod's fusion, their bytes, Horovod's negotiation time and cycles (from
 Horovod's timeline, rank 0), and the bytes each host sent on its link.
@@ -48,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_METHODS = "compute,hvd-none,hvd-off,ddp-none,hvd-topk:100,ddp-topk:100,hvd-adaptive"
+DEFAULT_METHODS = "compute,hvd-none,hvd-off,ddp-none,hvd-topk:100,ddp-topk:100,hvd-adaptive,hvd-topk:10,hvd-warmup"
 PHASES = ("step", "cpu", "fwd", "bwd", "wait", "opt", "compress", "encode", "decompress", "decode", "policy")
 #: the issue's targets: (name, numerator method, denominator method, bound)
 TARGETS = (("Horovod top-k vs DDP hook top-k, same CF", "hvd-topk:{cf}", "ddp-topk:{cf}", 1.10),
@@ -431,6 +436,10 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
         recs = m["records"]
         row = {p: _med([r.get(p, 0.0) for r in recs]) for p in PHASES}
         row["steps"] = len(recs)
+        if name.startswith("ddp"):
+            row["wait"] = None  # DDP waits for its buckets inside backward
+        compute = res["methods"].get("compute")
+        row["beyond"] = row["step"] - _med([r["step"] for r in compute["records"]]) if compute else None
         tx = sum(b for b, _ in m["wire"])
         n = sum(s for _, s in m["wire"])
         row["wire_bytes_per_step"] = tx / n if n else None
@@ -474,7 +483,8 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
             continue
         ratios = _paired(res["methods"][a_name], res["methods"][b_name], settled_only)
         t = {"target": title, "a": a_name, "b": b_name, "bound": bound, "ratio": _med(ratios) if ratios else None,
-             "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None, "rounds": len(ratios)}
+             "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None, "rounds": len(ratios),
+             "of_medians": _of_medians(res["methods"][a_name], res["methods"][b_name], settled_only)}
         if t["ratio"] is not None:
             t["pass"] = t["ratio"] <= bound
         targets.append(t)
@@ -483,6 +493,13 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
 
 def _g(x: float) -> str:
     return f"{x:g}"
+
+
+def _of_medians(a: dict[str, Any], b: dict[str, Any], settled_only: bool) -> float | None:
+    """Median step of a (its settled steps only) / median step of b, over the whole run."""
+    sa = [r["step"] for r, c in zip(a["records"], a["settled"]) if not settled_only or c is not None]
+    sb = [r["step"] for r in b["records"]]
+    return statistics.median(sa) / statistics.median(sb) if sa and sb else None
 
 
 def _paired(a: dict[str, Any], b: dict[str, Any], settled_only: bool) -> list[float]:
@@ -515,32 +532,41 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "## Targets (issue 30)",
         "",
-        "| target | A / B | median ratio [min, max] over rounds | bound | |",
-        "|---|---|---|---|---|",
+        "The verdict reads the median of the per-round ratios (each round's two blocks ran back to back, so the "
+        "machine's drift cancels); the ratio of the two whole-run medians is given beside it.",
+        "",
+        "| target | A / B | median ratio [min, max] over rounds | ratio of medians | bound | |",
+        "|---|---|---|---|---|---|",
     ]
     for t in summary["targets"]:
         if t["ratio"] is None:
-            lines.append(f"| {t['target']} | {t['a']} | {t.get('note', 'no rounds')} | {t['bound']:.2f}x | - |")
+            lines.append(f"| {t['target']} | {t['a']} | {t.get('note', 'no rounds')} | - | {t['bound']:.2f}x | - |")
             continue
         verdict = "PASS" if t["pass"] else "FAIL"
+        om = "-" if t.get("of_medians") is None else f"{t['of_medians']:.3f}x"
         lines.append(f"| {t['target']} | {t['a']} / {t['b']} | {t['ratio']:.3f}x [{t['min']:.3f}, {t['max']:.3f}] "
-                     f"({t['rounds']} rounds) | {t['bound']:.2f}x | {verdict} |")
+                     f"({t['rounds']} rounds) | {om} | {t['bound']:.2f}x | {verdict} |")
     lines += [
         "",
         "## Median step and its phases (ms)",
         "",
-        "Phases: fwd, bwd (backward, with the hooks' work), wait (Horovod: `synchronize()` less decompress; "
-        "DDP waits inside backward), opt (optimizer step). Inside them, crossover's work: compress (Horovod: the "
-        "glue's `compress` over all tensors; DDP: the hook bodies), encode (the codec's part of it), decompress "
-        "(decode: the codec's part) and the policy (the step driver). Each column is its own median over steps.",
+        "Step: wall time of zero_grad, forward, backward and the optimizer step; beyond compute: the step less "
+        "the `compute` method's (no communication at all); cpu: CPU time of the whole process (all threads) per "
+        "step. Phases: fwd, bwd (backward, with the hooks' work; DDP also waits for its buckets there), wait "
+        "(Horovod: `synchronize()` less decompress), opt (optimizer step). Crossover's own work inside them: "
+        "compress (Horovod: the glue's `compress` over all tensors; DDP: the hook bodies, collectives issued), "
+        "encode (the codec's part), decompress (Horovod: the glue's; DDP: the decode callbacks), decode (the "
+        "codec's part, with its wait for the allgather) and the policy (the step driver). Each column is its own "
+        "median over the steps, so the columns do not add up to the step.",
         "",
-        "| method | step | cpu | fwd | bwd | wait | opt | compress | encode | decompress | decode | policy "
-        "| settled CF |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | step | beyond compute | cpu | fwd | bwd | wait | opt | compress | encode | decompress | decode "
+        "| policy | settled CF |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         settled = f"{r['settled_cf']:g} ({r['settled_steps']} steps)" if "settled_cf" in r else ""
-        lines.append(f"| {name} | " + " | ".join(ms(r[p]) for p in PHASES) + f" | {settled} |")
+        cells = [ms(r["step"]), ms(r["beyond"]) if name != "compute" else "-"] + [ms(r[p]) for p in PHASES[1:]]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {settled} |")
     lines += [
         "",
         "## Collectives and bytes per step",
@@ -598,8 +624,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                "warmup": args.warmup, "rounds": args.rounds, "block": args.block, "cf": args.cf,
                "attrib_steps": args.attrib_steps, "timeline_dir": args.timelines or tmp, "result": str(result)}
         cmd = [sys.executable, "-m", f"{__package__}.bench_breakdown", "--worker", json.dumps(cfg)]
-        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOROVOD_TIMELINE": os.environ.get("XO_TL", "DYNAMIC"),
-               "MASTER_PORT": str(_free_port())}
+        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+        if not args.no_timeline:  # Horovod records only between start_timeline and stop_timeline
+            env["HOROVOD_TIMELINE"] = "DYNAMIC"
         meta = _meta(args, argv)
         if args.no_netem:
             hr = Path(sys.executable).with_name("horovodrun")
@@ -642,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="300mbit", help="link rate of the emulated hosts (default 300mbit)")
     p.add_argument("--no-netem", action="store_true", help="plain loopback via horovodrun (no root needed)")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--no-timeline", action="store_true",
+                   help="no Horovod timeline in the attribution pass (no negotiation / fused-collective counts)")
     p.add_argument("--timelines", default=None, help="keep the Horovod timelines of the attribution pass here")
     p.add_argument("--md", default="docs/hvd-breakdown.md", help="markdown report to write ('' for none)")
     p.add_argument("--json", default=None, help="write summary and raw records here")

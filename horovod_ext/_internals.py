@@ -69,12 +69,19 @@ def check_version(feature: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # horovod.torch: who is calling compress()
 # ---------------------------------------------------------------------------------------------
+_adasum_code: Any = None  # the code of _DistributedAdasumOptimizer._allreduce_grad_async (False: none)
+
+
 def _is_adasum_frame(frame: Any) -> bool:
-    try:
-        from horovod.torch.optimizer import _DistributedAdasumOptimizer
-    except ImportError:  # pragma: no cover - Horovod without torch
-        return False
-    return frame.f_code is _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+    global _adasum_code
+    if _adasum_code is None:  # looked up once: this runs for every gradient of every step
+        try:
+            from horovod.torch.optimizer import _DistributedAdasumOptimizer
+        except ImportError:  # pragma: no cover - Horovod without torch
+            _adasum_code = False
+        else:
+            _adasum_code = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+    return frame.f_code is _adasum_code
 
 
 def torch_hook_caller(tensor: Any, depth: int = 2) -> tuple[str | None, Any]:

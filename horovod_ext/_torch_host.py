@@ -65,6 +65,12 @@ class HorovodCollectives:
             return hvd.allgather_async(tensor, name=name)
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """Average `tensor` over the process set (out of place; the default optimizer's op and scaling, so
+        Horovod fuses it with the gradients of the same cycle)."""
+        kw = {} if self.process_set is None else {"process_set": self.process_set}
+        return hvd.allreduce_async(tensor, name=name, op=hvd.Average, **kw)
+
     def wait(self, handle: Any) -> torch.Tensor:
         if self.quiet:
             torch_wait_quietly(handle)  # Horovod's own wait spins a core

@@ -45,8 +45,11 @@ class _SparseCompression(TorchHookBase):
         super().__init__(min_compress_numel=min_compress_numel)
         # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
         # Horovod's response cache spares it the full negotiation (a size that changes renegotiates every step)
+        # dense_stats_apart: a dense payload is the gradient itself (no copy to append the statistics); the
+        # statistics go by an allreduce of their own, which Horovod fuses with the step's other small tensors
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
-                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True)
+                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True,
+                                 dense_stats_apart=True)
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
@@ -77,11 +80,14 @@ class _SparseCompression(TorchHookBase):
     def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
         payload, ctx, sent = self.codec.encode(key, tensor, self.driver.current, self.driver.last_step_time,
                                                self.comm)
+        if ctx.stats_apart is not None:
+            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
         self.driver.count(sent, 0)
         return payload, ctx
 
     def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        out, stats = self.codec.decode(tensor, ctx, self.comm)
+        stats = None if ctx.stats_handle is None else self.comm.inner.wait(ctx.stats_handle)
+        out, stats = self.codec.decode(tensor, ctx, self.comm, stats)
         self.driver.add_reduced(stats.tolist(), self.comm.size())
         return out
 

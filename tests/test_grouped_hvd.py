@@ -113,9 +113,43 @@ def _pair_job(kind: str, on_process_set: bool) -> dict:
     return out
 
 
+def _dense_measured() -> dict:
+    """GraVAC's dense measured steps (warm-up): the gradient goes as it is, its statistics by an allreduce of
+    their own; the averages are stock Horovod's and the statistics reach the driver."""
+    import horovod.torch as hvd
+
+    from crossover import AdaptiveCompression
+
+    runs = []
+    for comp in (AdaptiveCompression(warmup_steps=100, min_compress_numel=1000), hvd.Compression.none):
+        model = _Net()
+        runs.append((model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                                     named_parameters=model.named_parameters(), compression=comp)))
+    gen = torch.Generator().manual_seed(hvd.rank())
+    close = []
+    for _ in range(3):
+        x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 8, generator=gen)
+        grads = []
+        for model, opt in runs:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.synchronize()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        close.append(all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(*grads)))
+        with torch.no_grad():
+            for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+                q.copy_(p)
+    comp = runs[0][1]._compression
+    rec = comp.driver.current
+    return {"close": close, "tensors": rec.tensors, "acc_sq": rec.acc_sq, "sent_cf": rec.sent_cf,
+            "measure": rec.measure}
+
+
 def grouped_job() -> dict:
-    return {f"{kind}-{'ps' if ps else 'global'}": _pair_job(kind, ps)
-            for kind in ("topk", "qsgd") for ps in (False, True)}
+    out = {f"{kind}-{'ps' if ps else 'global'}": _pair_job(kind, ps)
+           for kind in ("topk", "qsgd") for ps in (False, True)}
+    out["dense"] = _dense_measured()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +185,10 @@ def test_nonfinite_step_decodes_nan_everywhere_in_both_transports(results, case)
         assert c["nan_at"][POISON_STEP] == ["b.weight"], c["nan_at"]
         assert all(not n for i, n in enumerate(c["nan_at"]) if i != POISON_STEP), c["nan_at"]
     assert all(c["nan_at"] == members[0]["nan_at"] for c in members)
+
+
+def test_dense_measured_steps_average_like_stock(results):
+    for r in results:
+        d = r["dense"]
+        assert all(d["close"]) and d["sent_cf"] == 1.0 and d["measure"]
+        assert d["tensors"] == 2 and d["acc_sq"] > 0, "both large tensors' statistics reached the driver"

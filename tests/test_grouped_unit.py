@@ -135,3 +135,41 @@ def test_disabled_passes_through_and_bad_sizes_refused():
         with pytest.raises(ValueError, match="first_bytes"):
             GroupedCollectives(inner, first_bytes=bad)
     assert FIRST_GROUP_BYTES == 1 << 20
+
+
+class _Plan:
+    """A dense step that measures (GraVAC's warm-up and dense trials): no CF, statistics wanted."""
+
+    step, sent_cf, probes = 1, 1.0, ()
+
+
+@pytest.mark.parametrize("residual_held", [False, True])
+def test_dense_payload_is_the_gradient_when_statistics_go_apart(residual_held):
+    """No copy of the gradient to append the statistics: the payload is the gradient's own storage, the
+    statistics wait in ctx.stats_apart, and decode with their reduction gives what the appended form gives."""
+    from crossover.compression.sparse_codec import SparseCodec
+
+    group = SimulatedGroup(1)
+    comm = group.rank_view(0)
+    grad = torch.randn(1000)
+    outs = []
+    for apart in (False, True):
+        codec = SparseCodec("topk", dense_stats_apart=apart)
+        g = grad.clone()
+        if residual_held:  # the first dense step after compressed ones sends the residual along, once
+            codec.memory.residual("w", g).fill_(0.5)
+        payload, ctx, sent = codec.encode("w", g, _Plan(), 0.1, comm)
+        assert sent == (1000 + 6) * 4
+        if apart:
+            assert payload.data_ptr() == g.data_ptr() and payload.numel() == 1000
+            stats = ctx.stats_apart.clone()
+            out, reduced = codec.decode(payload.clone(), ctx, comm, stats)
+        else:
+            assert payload.numel() == 1006
+            out, reduced = codec.decode(payload.clone(), ctx, comm)
+        outs.append((out, reduced, codec.memory.get("w")))
+    (o0, s0, r0), (o1, s1, r1) = outs
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+    assert torch.equal(o0, grad + (0.5 if residual_held else 0.0))
+    if residual_held:
+        assert torch.equal(r0, r1) and not bool(r1.any())
