@@ -18,7 +18,8 @@ rotates every round, so that a slow phase of a shared machine falls on all of th
                    the statistics cost on GraVAC's dense steps)
   METHOD/VARIANT   a Horovod method with the transport of before issue 30: /pertensor (one allgather per
                    tensor, sizes that vary, Horovod's spinning wait), /fixed (one allgather per tensor of
-                   exactly k pairs), /spin (grouped, with Horovod's spinning wait)
+                   exactly k pairs), /spin (grouped, with Horovod's spinning wait); or /groups1 (Horovod's own
+                   DistributedOptimizer(groups=1): one grouped allreduce at the end of backward)
   ddp-none         PyTorch DDP, no hook
   ddp-topk:CF      DDP with crossover's adaptive_hook, AdaptiveState(policy="static", cf=CF)
   ddp-adaptive     DDP with adaptive_hook, AdaptiveState() (defaults)
@@ -177,7 +178,7 @@ class Method:
         self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=lr),
                                             named_parameters=[(f"{self.name}.{n}", p)
                                                               for n, p in self.model.named_parameters()],
-                                            compression=comp)
+                                            compression=comp, groups=1 if self.variant == "groups1" else None)
         if hasattr(comp, "codec"):
             t = self.timer
             t.wrap(comp, "compress", "compress")  # Horovod calls the instance's attribute
@@ -313,8 +314,8 @@ class _DistCounter:
 def parse_timeline(path: str) -> dict[str, Any]:
     """Counts from a Horovod timeline (Chrome trace JSON, possibly unterminated) of `steps` steps.
 
-    Submitted: one NEGOTIATE_* per tensor. Ran: distinct start times of GLOO_* activities (tensors fused into
-    one operation share its start). Negotiation: from a tensor's first rank ready to the last (the span of
+    Submitted: one NEGOTIATE_* per tensor. Ran: clusters of GLOO_* activity starts (the tensors fused into one
+    operation start together). Negotiation: from a tensor's first rank ready to the last (the span of
     NEGOTIATE_*). Cycles: CYCLE_START marks."""
     text = Path(path).read_text().rstrip().rstrip(",")
     if not text.endswith("]"):
@@ -339,8 +340,19 @@ def parse_timeline(path: str) -> dict[str, Any]:
             neg_us += e["ts"] - open_neg.pop(e["pid"])
         elif ph == "B" and name and name.startswith("GLOO_"):
             ran[name[len("GLOO_"):].lower()].add(e["ts"])
-    return {"submitted": dict(submitted), "ran": {k: len(v) for k, v in ran.items()}, "negotiate_ms": neg_us / 1e3,
-            "cycles": cycles}
+    return {"submitted": dict(submitted), "ran": {k: _clusters(v) for k, v in ran.items()},
+            "negotiate_ms": neg_us / 1e3, "cycles": cycles}
+
+
+def _clusters(starts: set[int], gap_us: int = 50) -> int:
+    """Operations among per-tensor start times: Horovod marks each tensor of a fused operation in a loop, a few
+    microseconds apart, and one operation over the network takes longer than `gap_us`."""
+    n, last = 0, None
+    for ts in sorted(starts):
+        if last is None or ts - last > gap_us:
+            n += 1
+        last = ts
+    return n
 
 
 # --------------------------------------------------------------------------- one rank
@@ -502,8 +514,12 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
                 targets.append({"target": title, "a": base, "b": None, "bound": bound, "ratio": None,
                                 "note": "did not settle in the timed rounds"})
                 continue
-            a_name, b_name = base, den.format(cf=_g(c))
+            # settled dense: StaticCompression at CF 1 compresses nothing, as compression off does
+            a_name, b_name = base, den.format(cf=_g(c)) if c > 1 else "hvd-off"
         if a_name not in res["methods"] or b_name not in res["methods"]:
+            if settled_only:
+                targets.append({"target": title, "a": a_name, "b": b_name, "bound": bound, "ratio": None,
+                                "note": f"settled at CF {_g(c)}: no {b_name} row in this run"})
             continue
         ratios = _paired(res["methods"][a_name], res["methods"][b_name], settled_only)
         t = {"target": title, "a": a_name, "b": b_name, "bound": bound, "ratio": _med(ratios) if ratios else None,
