@@ -31,8 +31,7 @@ decompress (of which decode) and the policy (the driver's planning and statistic
 attribution pass (a few steps per method) counts per step the collectives submitted
 and those that ran after Horovod's fusion, their bytes, Horovod's negotiation time and cycles (from
 Horovod's timeline, rank 0), and the bytes each host sent on its link. The Horovod counts come from a second,
-short job: with HOROVOD_TIMELINE=DYNAMIC set, Horovod spends CPU all along (measured: the compression-off
-step's process CPU 15 -> 39 ms), so the timed job runs without it.
+short job: with HOROVOD_TIMELINE=DYNAMIC set Horovod spends CPU all along, so the timed job runs without it.
 
 The ratios of the issue's targets are taken round by round (the medians of the two methods' blocks in the
 same round) and summarised by their median, min and max over the rounds. --md writes the whole report as
@@ -88,7 +87,7 @@ def make_data(name: str, n: int, seed: int) -> tuple[Any, Any]:
         from .datasets import load_dataset
 
         data = load_dataset("digits", None, seed=seed)
-        xs, ys = zip(*data.train_batches(1, 0, 1, 10_000, seed))
+        xs, ys = zip(*data.train_batches(1, 0, 1, 32, seed))  # the training set, normalized, in batches of 32
         return torch.cat(xs), torch.cat(ys)
     gen = torch.Generator().manual_seed(seed)
     templates = torch.randn(10, 1, 28, 28, generator=gen)
@@ -344,7 +343,7 @@ def parse_timeline(path: str) -> dict[str, Any]:
             "negotiate_ms": neg_us / 1e3, "cycles": cycles}
 
 
-def _clusters(starts: set[int], gap_us: int = 50) -> int:
+def _clusters(starts: set[int], gap_us: int = 20) -> int:
     """Operations among per-tensor start times: Horovod marks each tensor of a fused operation in a loop, a few
     microseconds apart, and one operation over the network takes longer than `gap_us`."""
     n, last = 0, None
@@ -647,7 +646,8 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                 check=False).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
-    return {"command": shlex.join(["python", "-m", f"{__package__}.bench_breakdown", *argv]),
+    shown = [".../" + os.path.basename(a) if os.path.isabs(a) else a for a in argv]  # no path of this machine
+    return {"command": shlex.join(["python", "-m", f"{__package__}.bench_breakdown", *shown]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "load": os.getloadavg()[0], "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
             "batch": args.batch, "rate": "loopback (unshaped)" if args.no_netem else args.rate,
@@ -659,6 +659,8 @@ def _job(args: argparse.Namespace, cfg: dict[str, Any], extra_env: dict[str, str
     """Run one worker job (netem hosts, or loopback via horovodrun); return the result file's text."""
     cmd = [sys.executable, "-m", f"{__package__}.bench_breakdown", "--worker", json.dumps(cfg)]
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port()), **extra_env}
+    if args.cycle_time_ms:
+        env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
     result = Path(cfg["result"])
     if args.no_netem:
         hr = Path(sys.executable).with_name("horovodrun")
@@ -717,7 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attrib-steps", type=int, default=10, help="steps per method of the attribution pass")
     p.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")
     p.add_argument("--rate", default="300mbit", help="link rate of the emulated hosts (default 300mbit)")
-    p.add_argument("--no-netem", action="store_true", help="plain loopback via horovodrun (no root needed)")
+    p.add_argument("--no-netem", action="store_true",
+                   help="plain loopback via horovodrun (no root needed; wire bytes then count all loopback traffic)")
+    p.add_argument("--cycle-time-ms", type=float, default=None, help="HOROVOD_CYCLE_TIME of the job (Horovod: 1 ms)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--no-timeline", action="store_true",
                    help="no Horovod timeline in the attribution pass (no negotiation / fused-collective counts)")
