@@ -258,6 +258,16 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                       "dense,hvd-fp16,fp16,topk:100,adaptive,adaptive-off",
                       "--params", "2000000" if quick else "12000000", "--steps", "5" if quick else "60",
                       "--rate", "1gbit", "--json", str(out / "step.json")])], needs_netem=True, minutes=3),
+        Section("breakdown", "Horovod path vs DDP hook, per-step breakdown, 2 emulated hosts at 300 Mbit/s",
+                "Issue 30: a small CNN (420 k parameters) trained by every method in the same two processes (one "
+                "per emulated host), Horovod and torch.distributed side by side, in turns of 10 steps that rotate "
+                "every round: the median step and its phases, crossover's own work, the collectives after "
+                "Horovod's fusion and its negotiation (timeline), and the targets as per-round paired ratios. "
+                "Also written to docs/hvd-breakdown.md.",
+                [Run([py, "-m", f"{__package__}.bench_breakdown", "--rounds", "2" if quick else "30",
+                      "--warmup", "10" if quick else "60", "--json", str(out / "breakdown.json"),
+                      *(["--md", ""] if quick else [])])],
+                needs_netem=True, minutes=3),
         Section("dqsgd", "DQ-SGD on the digits task",
                 "Dense, DQ-SGD and static QSGD train the digits MLP for the same epochs (loopback, 2 ranks).",
                 [Run([py, "-m", f"{__package__}.bench_dqsgd", "--epochs", "3" if quick else "20",
@@ -426,6 +436,16 @@ def targets(secs: list[Section]) -> list[str]:
                 m = t["measured"]
                 shown = "-" if m is None else (f"{100 * m:+.2f} points" if "within" in t["target"] else f"{m:.2f}x")
                 lines.append(f"| DDP: {t['target']} | {shown} ({'PASS' if t['pass'] else 'FAIL'}) |")
+    bd = by_key.get("breakdown")
+    if bd is not None and bd.status == "ok":
+        path = Path(bd.runs[0].argv[bd.runs[0].argv.index("--json") + 1])
+        if path.is_file():
+            for t in json.loads(path.read_text())["summary"]["targets"]:
+                if t.get("ratio") is None:
+                    lines.append(f"| {t['target']} (<= {t['bound']:.2f}x) | {t.get('note', 'not measured')} |")
+                else:
+                    lines.append(f"| {t['target']} (<= {t['bound']:.2f}x) | {t['ratio']:.2f}x, rounds "
+                                 f"{t['min']:.2f} to {t['max']:.2f} ({_verdict(t['pass'])}) |")
     cx = by_key.get("crossover")
     if cx is not None and cx.status == "ok" and "--json" in cx.runs[0].argv:
         path = Path(cx.runs[0].argv[cx.runs[0].argv.index("--json") + 1])

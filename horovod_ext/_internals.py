@@ -9,10 +9,13 @@ set and Adasum cannot be seen) and the patches refuse, after one clear warning.
 
 What is touched (Horovod 0.28.1):
 * horovod.torch: the frames of `_DistributedOptimizer._allreduce_grad_async(self, p)` /
-  `_grouped_allreduce_grad_async` (locals `p`, `self`; `self._parameter_names`, `self.process_set`),
+  `_grouped_allreduce_grad_async` (locals `p`, `self`; `self._parameter_names`, `self.process_set`;
+  `_parameter_names` with the public `param_groups` gives the parameters' registration order),
   and `_DistributedAdasumOptimizer._allreduce_grad_async` (Adasum compresses parameter deltas).
 * horovod.tensorflow: the frames of `hvd.allreduce` / `grouped_allreduce` (locals `compression`, `op`)
   and of the `allreduce_fn` cond branch, plain or autograph-converted (`tf__` prefix).
+* horovod.torch `_DistributedOptimizer._handles` / `_requires_update` (`torch_quiet_synchronize`: the
+  optimizer's handles are waited for by polling before Horovod's own synchronize runs);
 * horovod.torch.mpi_ops `synchronize`/`poll`/`_handle_map` and `_DistributedOptimizer.__init__` /
   `.synchronize` (crossover scheduler: horovod_ext/scheduling.py), horovod.tensorflow.keras
   `DistributedOptimizer` (Keras 3 guard: horovod_ext/keras_guard.py): those modules call
@@ -23,10 +26,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+import weakref
 from typing import Any
 
-__all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "tf_hook_context",
-           "ADASUM_ERROR"]
+__all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "torch_parameter_order",
+           "torch_quiet_synchronize", "torch_wait_quietly", "tf_hook_context", "ADASUM_ERROR"]
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +69,19 @@ def check_version(feature: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # horovod.torch: who is calling compress()
 # ---------------------------------------------------------------------------------------------
+_adasum_code: Any = None  # the code of _DistributedAdasumOptimizer._allreduce_grad_async (False: none)
+
+
 def _is_adasum_frame(frame: Any) -> bool:
-    try:
-        from horovod.torch.optimizer import _DistributedAdasumOptimizer
-    except ImportError:  # pragma: no cover - Horovod without torch
-        return False
-    return frame.f_code is _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+    global _adasum_code
+    if _adasum_code is None:  # looked up once: this runs for every gradient of every step
+        try:
+            from horovod.torch.optimizer import _DistributedAdasumOptimizer
+        except ImportError:  # pragma: no cover - Horovod without torch
+            _adasum_code = False
+        else:
+            _adasum_code = _DistributedAdasumOptimizer._allreduce_grad_async.__code__
+    return frame.f_code is _adasum_code
 
 
 def torch_hook_caller(tensor: Any, depth: int = 2) -> tuple[str | None, Any]:
@@ -229,3 +241,65 @@ def torch_replace_handles(opt: Any, replace: Any) -> None:
         new = replace(handle)
         if new is not None:
             opt._handles[key] = (new, ctx)
+
+
+def torch_parameter_order(opt: Any) -> dict[str, int]:
+    """Horovod's parameter name -> position of the parameter in the optimizer's param_groups (the same on
+    every rank: the model's registration order). Empty on an unknown Horovod version."""
+    names = getattr(opt, "_parameter_names", None)
+    if not isinstance(names, dict) or not version_supported():
+        return {}
+    order: dict[str, int] = {}
+    for group in getattr(opt, "param_groups", ()):
+        for p in group.get("params", ()):
+            name = names.get(p)
+            if name is not None and name not in order:
+                order[name] = len(order)
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# horovod.torch: waiting on an optimizer's handles without spinning
+# ---------------------------------------------------------------------------------------------
+#: Longest sleep between two polls of a pending handle: the most latency a quiet wait adds (seconds).
+QUIET_POLL_MAX_S = 2e-4
+
+
+def torch_wait_quietly(handle: Any, max_sleep: float = QUIET_POLL_MAX_S) -> None:
+    """Return once the horovod.torch collective `handle` has finished, polling with sleeps (20 us, doubling
+    up to `max_sleep`). Horovod's own wait spins in C++ on sched_yield: on a machine with a core per rank
+    that core is then taken from Horovod's background thread and the network stack while they do the work."""
+    import horovod.torch as hvd
+
+    if hvd.poll(handle):
+        return
+    delay = 2e-5
+    while not hvd.poll(handle):
+        time.sleep(delay)
+        delay = min(2 * delay, max_sleep)
+
+
+def torch_quiet_synchronize(opt: Any) -> bool:
+    """Make `opt.synchronize()` (called by `step()`) wait on its allreduce handles quietly, then run Horovod's
+    own synchronize (which finds them finished). Installs on this optimizer only (an instance attribute that
+    holds no reference to it); idempotent; False, after one warning, on an unknown Horovod version."""
+    if "_crossover_quiet_sync" in vars(opt):
+        return True
+    if not check_version("waiting on gradients without spinning a core (Horovod's own wait is used)"):
+        return False
+    ref = weakref.ref(opt)
+
+    def synchronize() -> Any:
+        o = ref()
+        if o is None:  # pragma: no cover - the optimizer is gone
+            return None
+        if o.process_set.included():
+            torch_submit_missing(o)
+            for handle, _ctx in list(o._handles.values()):
+                if isinstance(handle, int):  # not a sparse allreduce's callable, not the scheduler's stand-in
+                    torch_wait_quietly(handle)
+        return type(o).synchronize(o)
+
+    opt.synchronize = synchronize
+    opt._crossover_quiet_sync = True
+    return True

@@ -6,7 +6,12 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * a step begins at the first `compress` after a `decompress` (or when a name repeats);
 * tensors that are not float32, sparse, or smaller than `min_compress_numel` pass through untouched;
 * collectives a codec issues itself (allgather) go through `HorovodCollectives`, bound to the
-  calling optimizer's process set.
+  calling optimizer's process set, and travel in groups (crossover/compression/grouped.py): one allgather
+  per group of tensors, planned from the last step's tensors in reverse registration order (as DDP's
+  buckets), sent once the group is complete and at the latest before the step's first decompress;
+* the optimizer's `synchronize()` (in `step()`) first waits on its handles by polling with short sleeps:
+  Horovod's own wait spins a core, which a machine with a core per rank takes from the background
+  thread and the network.
 Subclasses hold a step driver (crossover/driver/) and a codec (crossover/compression/).
 """
 
@@ -19,9 +24,16 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from crossover.compression.grouped import GroupedCollectives
 from crossover.driver import GradientKeys, check_min_numel
 from horovod_ext._class_guard import CompressionType, guard_constructors
-from horovod_ext._internals import torch_hook_caller, torch_process_set
+from horovod_ext._internals import (
+    torch_hook_caller,
+    torch_parameter_order,
+    torch_process_set,
+    torch_quiet_synchronize,
+    torch_wait_quietly,
+)
 
 __all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]
 
@@ -38,8 +50,9 @@ SHARED_ERROR = ("crossover: this compression object is already used by another D
 class HorovodCollectives:
     """`crossover.compression.collectives.Collectives` over horovod.torch, on one process set."""
 
-    def __init__(self, process_set: Any = None) -> None:
+    def __init__(self, process_set: Any = None, quiet: bool = True) -> None:
         self.process_set = process_set
+        self.quiet = quiet
 
     def size(self) -> int:
         return self.process_set.size() if self.process_set is not None else hvd.size()
@@ -52,7 +65,15 @@ class HorovodCollectives:
             return hvd.allgather_async(tensor, name=name)
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """Average `tensor` over the process set (out of place; the default optimizer's op and scaling, so
+        Horovod fuses it with the gradients of the same cycle)."""
+        kw = {} if self.process_set is None else {"process_set": self.process_set}
+        return hvd.allreduce_async(tensor, name=name, op=hvd.Average, **kw)
+
     def wait(self, handle: Any) -> torch.Tensor:
+        if self.quiet:
+            torch_wait_quietly(handle)  # Horovod's own wait spins a core
         return hvd.synchronize(handle)
 
 
@@ -61,7 +82,10 @@ class TorchHookBase(metaclass=CompressionType):
 
     def __init__(self, *, min_compress_numel: int) -> None:
         self.min_compress_numel = check_min_numel(min_compress_numel)
-        self.comm = HorovodCollectives()
+        self.grouped = True  # the codec's allgathers travel in groups (False: one per tensor, as before)
+        self.quiet_wait = True  # step() polls its handles with short sleeps (False: Horovod's spinning wait)
+        self.comm = GroupedCollectives(HorovodCollectives())
+        self._order: dict[str, int] = {}  # parameter name -> registration ordinal in the optimizer
         self._keys = GradientKeys()
         self._phase = "idle"  # "compress" during backward, "decompress" during synchronize
         self._owner: weakref.ReferenceType[Any] | None = None  # the one optimizer this object serves
@@ -114,8 +138,15 @@ class TorchHookBase(metaclass=CompressionType):
             self._new_step()
         if opt is not None:
             ps = torch_process_set(opt)
-            if ps is not self.comm.process_set:
-                self.comm = HorovodCollectives(ps)
+            if ps is not self.comm.inner.process_set:
+                old = self.comm
+                self.comm = GroupedCollectives(HorovodCollectives(ps), first_bytes=old.first_bytes,
+                                               group_bytes=old.group_bytes)
+                self.comm.begin_step()
+            if not self._order:
+                self._order = torch_parameter_order(opt)
+        self.comm.enabled = self.grouped
+        self.comm.inner.quiet = self.quiet_wait
         self._optimizer_seen(opt)
         nbytes = tensor.numel() * tensor.element_size()
         small = tensor.numel() < self.min_compress_numel
@@ -129,16 +160,22 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
         if repeated:  # same parameter twice in one step: treat as a new step
+            self.comm.flush()
             self._settle_step()
             self._begin_step()
             self._keys.begin()
             self._keys.key(name)
+            self.comm.begin_step()
         self._count(0, nbytes)
         self._step_keys[key] = False
+        ordinal = self._order.get(key)  # backward runs roughly in reverse registration order; else arrival order
+        self.comm.note(-ordinal if ordinal is not None else self._step_large, tensor.numel())
         return self._compress_float(tensor, key)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
+        if self._phase == "compress":  # the step's first decompress: every compress of the step is done
+            self.comm.flush()
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
         if ctx is None:
             if tensor.is_floating_point() and not tensor.is_sparse:
@@ -152,6 +189,7 @@ class TorchHookBase(metaclass=CompressionType):
         self._keys.begin()
         self._passed.clear()
         self._step_keys.clear()
+        self.comm.reset()
 
     # ------------------------------------------------------------------ internals
     def _new_step(self) -> None:
@@ -174,6 +212,7 @@ class TorchHookBase(metaclass=CompressionType):
         self._begin_step()
         self._phase = "compress"
         self._keys.begin()
+        self.comm.begin_step()
 
     def _settle_step(self) -> None:
         """The step in flight is over (the next begins, or stats()/state_dict() between steps).
@@ -210,3 +249,5 @@ class TorchHookBase(metaclass=CompressionType):
         if owner is not None:
             raise ValueError(SHARED_ERROR)
         self._owner = weakref.ref(opt)
+        if self.quiet_wait:
+            torch_quiet_synchronize(opt)  # step() then waits on the gradients without spinning a core

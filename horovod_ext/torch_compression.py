@@ -44,8 +44,13 @@ class _SparseCompression(TorchHookBase):
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
                  seed: int, log_csv: str | None, tensorboard: Any = None) -> None:
         super().__init__(min_compress_numel=min_compress_numel)
+        # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
+        # Horovod's response cache spares it the full negotiation (a size that changes renegotiates every step)
+        # dense_stats_apart: a dense payload is the gradient itself (no copy to append the statistics); the
+        # statistics go by an allreduce of their own, which Horovod fuses with the step's other small tensors
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
-                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)))
+                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True,
+                                 dense_stats_apart=True)
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
                                        seed_check=self.codec.seed_check, tensorboard=tensorboard)
         self.compressor = compressor
@@ -77,11 +82,14 @@ class _SparseCompression(TorchHookBase):
     def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
         payload, ctx, sent = self.codec.encode(key, tensor, self.driver.current, self.driver.last_step_time,
                                                self.comm)
+        if ctx.stats_apart is not None:
+            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
         self.driver.count(sent, 0)
         return payload, ctx
 
     def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        out, stats = self.codec.decode(tensor, ctx, self.comm)
+        stats = None if ctx.stats_handle is None else self.comm.inner.wait(ctx.stats_handle)
+        out, stats = self.codec.decode(tensor, ctx, self.comm, stats)
         vec = stats.tolist()
         if not all(math.isfinite(v) for v in vec):
             self._step_keys[ctx.key] = True  # the codec put its residual back
@@ -137,7 +145,7 @@ class _SparseCompression(TorchHookBase):
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
         where ranks loaded different checkpoints); residuals stay per rank. Runs on the optimizer's
         process set once a step has bound it (every member calls it; `root_rank` is a rank in that set)."""
-        ps = self.comm.process_set
+        ps = self.comm.inner.process_set
         kw = {} if ps is None else {"process_set": ps}
         state = hvd.broadcast_object(self.state_dict(include_residuals=False), root_rank=root_rank,
                                      name="crossover.compression.sync", **kw)

@@ -40,7 +40,7 @@ class SparseCodec:
     """Selector + error-feedback memory + transports for float32 gradients."""
 
     def __init__(self, compressor: str, *, error_feedback: bool = True, seed: int = 0,
-                 grad_norms: bool = False, fixed_gather: bool = False) -> None:
+                 grad_norms: bool = False, fixed_gather: bool = False, dense_stats_apart: bool = False) -> None:
         self.selector: Selector = make_selector(compressor)
         # shared indices need one seed on every rank: the statistics carry its fingerprint (SparseStatsLayout)
         self.seed_check = self.selector.shared_indices
@@ -48,6 +48,9 @@ class SparseCodec:
         # torch.distributed on Gloo): an overshoot of the selector returns to the residual, a shortfall
         # is padded with pairs that add nothing.
         self.fixed_gather = bool(fixed_gather)
+        # A dense payload is the gradient itself, and its statistics go in `ctx.stats_apart` for the host to
+        # reduce (hosts whose reduction of a small vector costs less than copying the gradient to append it).
+        self.dense_stats_apart = bool(dense_stats_apart)
         self.compressor = compressor
         self.memory = ErrorFeedback(error_feedback)
         self.seed = check_seed(seed)
@@ -106,11 +109,15 @@ class SparseCodec:
             if sel is not None and residual is not None:  # undo the selection: send acc whole
                 kernels.scatter_add(residual, sel.idx, sel.val)
                 acc = residual
-            payload = transport.send_dense(acc, stats)
+            if self.dense_stats_apart:  # no copy: the gradient's own storage (the residual buffer stays ours)
+                payload = grad.copy_(acc) if acc is residual else acc
+                ctx.stats_apart = stats
+            else:
+                payload = transport.send_dense(acc, stats)
             if acc is residual:  # the residual went out whole: zero until a compressed step
                 residual.zero_()
                 self._zeroed[key] = residual
-            return payload, ctx, payload.numel() * 4
+            return payload, ctx, (numel + stats.numel()) * 4
         if kind == cost_model.ALLREDUCE:
             ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
             payload = transport.send_shared(sel, stats)
@@ -126,9 +133,11 @@ class SparseCodec:
         ctx.kind = transport.GATHER
         return payload, ctx, packed.numel() * 4 + stats.numel() * 4
 
-    def decode(self, reduced: torch.Tensor, ctx: transport.SparseCtx,
-               comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, reduced: torch.Tensor, ctx: transport.SparseCtx, comm: Collectives,
+               stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the averaged gradient in the tensor's shape, the reduced statistics vector).
+
+        `stats`: the reduction of `ctx.stats_apart`, when encode put the statistics there.
 
         Non-finite reduced statistics (some rank's gradient had inf/NaN; identical on every rank) undo
         this step for the tensor: its residual goes back to what it was before `encode` (or to zeros on
@@ -136,7 +145,8 @@ class SparseCodec:
         and it decodes to NaN on every rank, so that a GradScaler-style check skips the step
         everywhere, as it would with stock Horovod.
         """
-        stats = transport.split_stats(reduced, ctx.nstats)
+        if stats is None:
+            stats = transport.split_stats(reduced, ctx.nstats)
         out = None
         if ctx.kind != transport.DENSE:
             out = self._outputs.get(ctx.key)
@@ -147,7 +157,7 @@ class SparseCodec:
         if not bool(torch.isfinite(stats).all()):
             self._undo(ctx)
             flat.fill_(float("nan"))
-        ctx.grad = ctx.residual = ctx.val = None  # drop references to the step's tensors
+        ctx.grad = ctx.residual = ctx.val = ctx.stats_apart = ctx.stats_handle = None  # drop the step's tensors
         return flat.view(ctx.shape), stats
 
     @staticmethod

@@ -47,6 +47,8 @@ class SparseCtx:
     grad: torch.Tensor | None = None  # this rank's flat gradient (its storage, as compress saw it)
     residual: torch.Tensor | None = None
     local_finite: bool = True  # this rank's gradient (+ residual) statistics were finite
+    stats_apart: torch.Tensor | None = None  # a dense payload's statistics, for the host to reduce on its own
+    stats_handle: Any = None  # the host's reduction of stats_apart in flight
 
 
 def send_dense(values: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
