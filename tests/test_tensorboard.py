@@ -118,7 +118,9 @@ def test_horovod_job_writes_rank0_scalars_and_uses_the_callers_writer(tmp_path: 
     assert _steps(acc, "crossover/compression_factor") == every  # one value per step, the last one at exit
     assert _steps(acc, "crossover/bytes_sent_over_dense") == every
     assert _steps(acc, "crossover/step_time_s") == every[:-1]  # the last step has no successor to time it
-    assert all(0 < e.value <= 1.0 for e in acc.Scalars("crossover/bytes_sent_over_dense"))
+    # a measured dense step (the policy times dense too, on a busy machine it may settle there) also sends each
+    # tensor's few statistics: a little over 1
+    assert all(0 < e.value <= 1.01 for e in acc.Scalars("crossover/bytes_sent_over_dense"))
     assert all(e.value >= 1.0 for e in acc.Scalars("crossover/compression_factor"))
     assert [(e.step, e.value) for e in acc.Scalars("crossover/searches")][0] == (1, 1.0)
     assert "crossover/gain" in scalars
