@@ -478,7 +478,8 @@ class Simulator:
             encoded = []
             for r, rk in enumerate(ranks):
                 t0 = time.perf_counter()
-                encoded.append(rk.codec.encode(name, grads[r][i], rk.driver.current, rk.driver.last_step_time, rk.comm))
+                encoded.append(rk.codec.encode(name, grads[r][i], rk.driver.current, rk.driver.last_step_time, rk.comm,
+                                               momentum=self.momentum))
                 measured += (time.perf_counter() - t0) / world
             reduced = torch.stack([payload for payload, _, _ in encoded]).mean(0)
             ctx0 = encoded[0][1]

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.wire import SparseStatsLayout, shared_seed
-from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
+from crossover.driver import CfPolicy, SparseStepDriver, check_momentum, gravac_or_dense
 from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name, tracing_function
@@ -99,7 +99,10 @@ class _SparseCompression(TFHookBase):
     _plan_len = 5  # [send_cf, floor_cf, candidate_cf, step, previous step time]
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
-                 seed: int, log_csv: str | None, passthrough: bool = False, tensorboard: Any = None) -> None:
+                 seed: int, log_csv: str | None, passthrough: bool = False, tensorboard: Any = None,
+                 momentum: float | None = None) -> None:
+        # the optimizer's momentum, in the statistics: the policy caps the CF by it (a tape does not see the optimizer)
+        self.momentum = check_momentum(momentum) or 0.0
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)} with horovod.tensorflow "
                              f"(dgc and redsync have torch kernels only); got {compressor!r}")
@@ -178,9 +181,10 @@ class _SparseCompression(TFHookBase):
             sq_floor, sq_cand = cum[k_floor - 1], cum[k_cand - 1]
             idx_send = idx_floor[:tf.minimum(k_send, k_floor)]
         grad_sq = tf.reduce_sum(tf.square(x)) if residual is not None else dense_sq
-        # SparseStatsLayout(2): [1, step time, ||g||^2, ||g||, ||g+e||^2, ||g+e||, floor/candidate sq, norms]
+        # SparseStatsLayout(2): [1, step time, ||g||^2, ||g||, ||g+e||^2, ||g+e||, momentum, floor/candidate sq, norms]
         stats = tf.stack([tf.constant(1.0), tf.cast(plan[4], tf.float32), grad_sq, tf.sqrt(grad_sq), dense_sq,
-                          tf.sqrt(dense_sq), sq_floor, sq_cand, tf.sqrt(sq_floor), tf.sqrt(sq_cand)])
+                          tf.sqrt(dense_sq), tf.constant(self.momentum, tf.float32), sq_floor, sq_cand,
+                          tf.sqrt(sq_floor), tf.sqrt(sq_cand)])
         name = f"crossover.allgather.{self._uid}.{safe_name(key)}"
 
         def dense_branch():
@@ -224,8 +228,11 @@ class _SparseCompression(TFHookBase):
         ok = scale > 0
         safe = tf.where(ok, scale, 1.0)
         to_sum = world / safe  # turns a reduced statistic into the sum over ranks
-        # the accumulator: [tensors, step time, sums over ranks in _LAYOUT from ||g||^2 on, bytes sent, dense]
-        vec = tf.concat([tf.stack([tf.constant(1.0, tf.float64), stats[1] / safe]), stats[2:] * to_sum,
+        # the accumulator: [tensors, step time, sums over ranks in _LAYOUT from ||g||^2 on (the momentum: its mean),
+        # bytes sent, dense]
+        mom = _LAYOUT.MOMENTUM
+        vec = tf.concat([tf.stack([tf.constant(1.0, tf.float64), stats[1] / safe]), stats[2:mom] * to_sum,
+                         stats[mom:mom + 1] / safe, stats[mom + 1:] * to_sum,
                          tf.stack([ctx.sent_bytes, tf.constant(ctx.dense_bytes, tf.float64)])], 0)
         vec = tf.where(ok, vec, tf.constant([0.0] * _LAYOUT.length + [1.0, 1.0], tf.float64) * vec)
         upd = self._acc().assign_add(vec)
@@ -290,14 +297,17 @@ class GravacCompression(_SparseCompression):
     Same settings as the torch object (docs/compression.md); `compressor` is "topk" (exact top-k,
     allgather) or "randomk" (shared seed, allreduce). `enabled=False`: Horovod's dense path, untouched
     (nothing is logged then). `tensorboard`: a directory (rank 0 writes) or a writer with add_scalar.
+    `momentum`: your optimizer's SGD momentum (a tape does not see the optimizer); the policy caps the
+    compression by it (docs/accuracy.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
                  enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
-                 **gravac: Any) -> None:
+                 momentum: float | None = None, **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv, passthrough=not enabled, tensorboard=tensorboard)
+                         seed=seed, log_csv=log_csv, passthrough=not enabled, tensorboard=tensorboard,
+                         momentum=momentum)
         self.enabled = bool(enabled)
 
 

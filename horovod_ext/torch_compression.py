@@ -27,7 +27,7 @@ import torch
 
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.sparse_codec import SparseCodec
-from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
+from crossover.driver import CfPolicy, SparseStepDriver, check_momentum, gravac_or_dense, optimizer_momentum
 from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._torch_host import TorchHookBase
@@ -42,8 +42,10 @@ class _SparseCompression(TorchHookBase):
     """A CF policy driving a sparsifying codec: the shared body of GraVAC and static compression."""
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
-                 seed: int, log_csv: str | None, tensorboard: Any = None) -> None:
+                 seed: int, log_csv: str | None, tensorboard: Any = None, momentum: float | None = None) -> None:
         super().__init__(min_compress_numel=min_compress_numel)
+        self._momentum_setting = check_momentum(momentum)
+        self.momentum = self._momentum_setting or 0.0  # reported to the policy, which caps the CF by it
         # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
         # Horovod's response cache spares it the full negotiation (a size that changes renegotiates every step)
         # dense_stats_apart: a dense payload is the gradient itself (no copy to append the statistics); the
@@ -79,9 +81,13 @@ class _SparseCompression(TorchHookBase):
     def _skips_all(self) -> bool:
         return self.driver.skips_all()
 
+    def _optimizer_seen(self, opt: Any) -> None:
+        if self._momentum_setting is None and opt is not None:
+            self.momentum = optimizer_momentum(opt)
+
     def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
         payload, ctx, sent = self.codec.encode(key, tensor, self.driver.current, self.driver.last_step_time,
-                                               self.comm)
+                                               self.comm, momentum=self.momentum)
         if ctx.stats_apart is not None:
             ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
         self.driver.count(sent, 0)
@@ -161,15 +167,16 @@ class GravacCompression(_SparseCompression):
     `enabled=False` turns compression off (exact dense allreduce). `min_compress_numel`: smaller
     tensors (biases, norms) go dense. `log_csv`: a path (`{rank}` allowed; one file per rank) that gets
     one row per step. `tensorboard`: a directory (rank 0 writes) or a SummaryWriter that gets per-step
-    scalars under `crossover/` (docs/compression.md).
+    scalars under `crossover/` (docs/compression.md). `momentum`: None reads the optimizer's (SGD-style
+    `momentum` of its param groups) at every step; the policy caps the CF by it (docs/accuracy.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
                  enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
-                 **gravac: Any) -> None:
+                 momentum: float | None = None, **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv, tensorboard=tensorboard)
+                         seed=seed, log_csv=log_csv, tensorboard=tensorboard, momentum=momentum)
         self.enabled = bool(enabled)
 
 

@@ -203,12 +203,13 @@ def test_driver_state_round_trip_continues_the_same_schedule():
 
 def test_stats_layout_and_normalization():
     lay = SparseStatsLayout(2)
-    v = lay.local(step_time=0.5, grad_sq=4.0, acc_sq=9.0, probe_sq=[1.0, 0.25])
-    assert len(v) == lay.length == 10
+    v = lay.local(step_time=0.5, grad_sq=4.0, acc_sq=9.0, probe_sq=[1.0, 0.25], momentum=0.9)
+    assert len(v) == lay.length == 11
     assert v[lay.GRAD_NORM] == 2.0 and v[lay.ACC_NORM] == 3.0 and v[lay.probe_norm(1)] == 0.5
     # Average over 4 ranks of identical vectors: sums come back x4, the step time stays a mean
     avg = normalize_reduced(v, 4)
     assert avg[lay.STEP_TIME] == 0.5 and avg[lay.ACC_SQ] == 36.0
+    assert avg[lay.MOMENTUM] == pytest.approx(0.9)  # a mean over ranks, like the step time
     summed = normalize_reduced([x * 4 for x in v], 4)
     assert summed == avg
     assert normalize_reduced([0.0] + v[1:], 4) is None

@@ -743,7 +743,7 @@ def test_a_state_saved_during_a_tie_break_resumes_it_and_a_version_4_state_loads
         original = GravacPolicy()
         drive_ladder(original, cut, time=lambda cf, t: times[cf] * (1 + 0.01 * (t % 7)), lag=0)
         saved = json.loads(json.dumps(original.state_dict(), allow_nan=False))
-        assert saved["tie"] is not None and saved["version"] == 5
+        assert saved["tie"] is not None and saved["version"] == 6
         restored = GravacPolicy.from_state_dict(saved)
         future = drive_ladder(original, 100, time=lambda cf, t: times[cf], lag=0, start=cut)
         assert drive_ladder(restored, 100, time=lambda cf, t: times[cf], lag=0, start=cut) == future
@@ -943,3 +943,60 @@ def test_a_pause_between_steps_does_not_move_a_trial_s_step_time() -> None:
     assert _step_time(times) == pytest.approx(0.300)
     assert _step_time([0.2, 0.21, 0.22, 0.19]) == _median([0.2, 0.21, 0.22, 0.19])  # no pause: the median
     assert _step_time([0.5]) == 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer's momentum caps the CF (issue 33): ladder.momentum_cap
+# ---------------------------------------------------------------------------------------------
+def _drive_with_momentum(policy: GravacPolicy, steps: int, momentum: Callable[[int], float],
+                         time: TimeFn = comm_bound_time, start: int = 0) -> list[float]:
+    """Send what the policy plans on a link where more compression is always faster; report `momentum(t)`."""
+    sent = []
+    for t in range(start, start + steps):
+        plan = policy.plan()
+        sent.append(plan.send_cf)
+        policy.observe(StepStats(sent_cf=plan.send_cf, dense_sq_norm=4.0,
+                                 compressed_sq_norms={cf: 4.0 for cf in plan.probe_cfs}, step_time_s=time(plan.send_cf),
+                                 samples=64, grad_sq_norm=4.0, momentum=momentum(t)))
+    return sent
+
+
+def test_momentum_caps_the_ladder_at_cf_max_times_one_minus_m() -> None:
+    plain = GravacPolicy()
+    assert _drive_with_momentum(plain, 200, lambda t: 0.0)[-1] == 100.0  # no momentum: the top, as before
+    capped = GravacPolicy()
+    sent = _drive_with_momentum(capped, 200, lambda t: 0.8999999761581421)  # 0.9 as a float32 mean arrives
+    assert max(sent[1:]) == 10.0 and sent[-1] == 10.0  # after the first observation nothing above CF 10
+    assert capped.summary()["max_cf"] == 10.0 and capped.summary()["momentum"] == pytest.approx(0.9)
+    half = GravacPolicy()
+    assert max(_drive_with_momentum(half, 200, lambda t: 0.5)[1:]) == 10.0  # 100 x 0.5 = 50: CF 10 is the rung
+    assert GravacPolicy(cf_max=1000.0).ladder[-1] == 1000.0
+    big = GravacPolicy(cf_max=1000.0)
+    assert _drive_with_momentum(big, 200, lambda t: 0.9)[-1] == 100.0  # 1000 x 0.1
+
+
+def test_momentum_reported_mid_run_moves_a_settled_cf_under_the_cap_and_back() -> None:
+    policy = GravacPolicy()
+    sent = _drive_with_momentum(policy, 150, lambda t: 0.9 if 100 <= t < 200 else 0.0)
+    assert sent[99] == 100.0 and set(sent[101:]) <= {1.0, 10.0}  # a new search from CF 10, walking down
+    sent = _drive_with_momentum(policy, 150, lambda t: 0.9 if t < 200 else 0.0, start=150)
+    assert sent[-1] == 100.0  # the cap lifted: CF 100 is tried again and wins
+
+
+def test_a_capped_state_saves_and_resumes_and_the_paper_search_ignores_momentum() -> None:
+    policy = GravacPolicy()
+    _drive_with_momentum(policy, 60, lambda t: 0.9)
+    saved = json.loads(json.dumps(policy.state_dict(), allow_nan=False))
+    assert saved["version"] == 6 and saved["top"] == 1 and saved["momentum"] == 0.9
+    restored = GravacPolicy.from_state_dict(saved)
+    assert _drive_with_momentum(restored, 40, lambda t: 0.9, start=60) == \
+        _drive_with_momentum(policy, 40, lambda t: 0.9, start=60)
+    with pytest.raises(ValueError, match="momentum"):
+        GravacPolicy.from_state_dict({**saved, "momentum": 1.5})
+    with pytest.raises(ValueError, match="top"):
+        GravacPolicy.from_state_dict({**saved, "top": 7})
+    old = {k: v for k, v in saved.items() if k not in ("top", "momentum")}
+    assert GravacPolicy.from_state_dict({**old, "version": 5}).summary()["max_cf"] == 100.0  # no cap in a v5 state
+    paper = GravacPolicy(**PAPER)
+    assert _drive_with_momentum(paper, 60, lambda t: 0.9) == _drive_with_momentum(GravacPolicy(**PAPER), 60,
+                                                                                  lambda t: 0.0)

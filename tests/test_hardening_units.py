@@ -94,7 +94,7 @@ def test_log_csv_never_writes_through_a_planted_symlink(tmp_path, warnings_of):
     drv = SparseStepDriver(StaticPolicy(cf=4.0), compressor="topk", seed=0, log_csv=str(tmp_path / "g.csv"))
     for step in range(5):
         drv.begin_step(float(step))
-        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 1.0, 1.0], 1)
+        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 0.0, 1.0, 1.0], 1)
     assert target.read_text() == "keep me\n" and not (tmp_path / "missing").exists()
     assert drv.log.path == str(tmp_path / "g.rank0.2.csv")
     assert (tmp_path / "g.rank0.2.csv").read_text().startswith("step,sent_cf")
@@ -138,7 +138,7 @@ def test_log_csv_io_error_stops_the_log_with_one_warning(tmp_path, warnings_of):
     calls["n"] = 1  # the header went out at open
     for step in range(20):
         drv.begin_step(float(step))
-        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 1.0, 1.0], 1)
+        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 0.0, 1.0, 1.0], 1)
     assert drv.step == 20 and drv.policy.step == 18  # observed one step late, nothing skipped
     assert calls["n"] == 5 and len(said) == 1 and "No space left" in said[0] and drv.log.stopped
     with open(drv.log.path) as fh:
@@ -303,7 +303,7 @@ def test_driver_states_missing_fields_refused():
     drv = SparseStepDriver(StaticPolicy(cf=4.0), compressor="topk", seed=3)
     for step in range(3):
         drv.begin_step(float(step))
-        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 1.0, 1.0], 1)
+        drv.add_reduced([1.0, 0.1, 4.0, 2.0, 4.0, 2.0, 0.0, 1.0, 1.0], 1)
     good = drv.state_dict()
     for field in good:
         with pytest.raises(ValueError):

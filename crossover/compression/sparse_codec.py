@@ -60,8 +60,9 @@ class SparseCodec:
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
 
     def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float,
-               comm: Collectives) -> tuple[torch.Tensor, transport.SparseCtx, int]:
-        """(payload for the host's reduction, context for `decode`, bytes this rank sends)."""
+               comm: Collectives, momentum: float = 0.0) -> tuple[torch.Tensor, transport.SparseCtx, int]:
+        """(payload for the host's reduction, context for `decode`, bytes this rank sends). `momentum`: the
+        optimizer's, reported to the policy in the statistics (wire.SparseStatsLayout)."""
         numel = tensor.numel()
         grad = tensor.detach().reshape(-1)
         if not grad.is_contiguous():
@@ -93,7 +94,7 @@ class SparseCodec:
         layout = SparseStatsLayout(len(rec.probes), self.seed_check)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
-                                          seed_fp=seed_fingerprint(self.seed, comm.size())),
+                                          seed_fp=seed_fingerprint(self.seed, comm.size()), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
         ctx = transport.SparseCtx(kind=transport.DENSE, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, grad=grad, residual=residual,

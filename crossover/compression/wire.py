@@ -71,11 +71,13 @@ def levels_for_bits(bits: int) -> int:
 class SparseStatsLayout:
     """Layout of the statistics that ride in every compressed payload, for `nprobes` probed CFs.
 
-    ``[1, previous step time, ||g||^2, ||g||, ||g+e||^2, ||g+e||, ||C_cf_i(g+e)||^2 ..., ||C_cf_i(g+e)|| ...]``
+    ``[1, step time, ||g||^2, ||g||, ||g+e||^2, ||g+e||, momentum, ||C_cf_i(g+e)||^2 ..., ||C_cf_i(g+e)|| ...]``
     with g the local gradient, e its error-feedback residual and C_cf the compressor at factor cf.
-    Each entry but the first two is summed over tensors (by the driver) and over ranks (by the
-    reduction), which is what the policy's gain definitions are written in. The first is 1.0 on every
-    rank, so after the reduction it tells the scale the framework applied (``normalize_reduced``).
+    The norms are summed over tensors (by the driver) and over ranks (by the reduction), which is what the
+    policy's gain definitions are written in. The first is 1.0 on every rank, so after the reduction it tells
+    the scale the framework applied (``normalize_reduced``). The step time and the optimizer's momentum (the
+    factor by which the optimizer carries an update into later steps; 0 when none or unknown) are averaged over
+    ranks, so that every rank reads the same values.
     With ``seed_check`` (shared-index compressors: random-k), two more entries end it: the seed's
     fingerprint f and f^2 (``seed_fingerprint``), checked per tensor after the reduction (``seeds_disagree``).
     """
@@ -88,7 +90,8 @@ class SparseStatsLayout:
     GRAD_NORM = 3
     ACC_SQ = 4
     ACC_NORM = 5
-    HEAD = 6
+    MOMENTUM = 6
+    HEAD = 7
 
     @property
     def length(self) -> int:
@@ -106,7 +109,7 @@ class SparseStatsLayout:
         return self.HEAD + self.nprobes + i
 
     def local(self, *, step_time: float, grad_sq: float, acc_sq: float, probe_sq: Sequence[float],
-              seed_fp: float = 1.0) -> list[float]:
+              seed_fp: float = 1.0, momentum: float = 0.0) -> list[float]:
         """One tensor's vector on one rank, from squared norms (the norms are their square roots).
 
         Every value is clamped to STAT_MAX (`clamp_stat`) so that it converts to float32 and its sum
@@ -115,7 +118,7 @@ class SparseStatsLayout:
         """
         if len(probe_sq) != self.nprobes:
             raise ValueError(f"expected {self.nprobes} probe norms, got {len(probe_sq)}")
-        out = [1.0, step_time, grad_sq, _sqrt(grad_sq), acc_sq, _sqrt(acc_sq), *probe_sq,
+        out = [1.0, step_time, grad_sq, _sqrt(grad_sq), acc_sq, _sqrt(acc_sq), momentum, *probe_sq,
                *(_sqrt(v) for v in probe_sq)]
         if self.seed_check:
             out += [seed_fp, seed_fp * seed_fp]
@@ -127,7 +130,7 @@ def _sqrt(x: float) -> float:
 
 
 def normalize_reduced(reduced: Sequence[float], world: int) -> list[float] | None:
-    """A reduced statistics vector as sums over ranks (step time: the mean); None if unusable.
+    """A reduced statistics vector as sums over ranks (step time and momentum: the means); None if unusable.
 
     ``reduced[0]`` is 1 summed or averaged over ranks and scaled like the payload: it is the factor
     that turns the reduction back into a sum (``world / reduced[0]``) or a mean (``1 / reduced[0]``).
@@ -138,4 +141,6 @@ def normalize_reduced(reduced: Sequence[float], world: int) -> list[float] | Non
     to_sum = world / scale
     out = [1.0, float(reduced[1]) / scale]
     out.extend(float(v) * to_sum for v in reduced[2:])
+    if len(out) > SparseStatsLayout.MOMENTUM:
+        out[SparseStatsLayout.MOMENTUM] = float(reduced[SparseStatsLayout.MOMENTUM]) / scale
     return out

@@ -48,6 +48,7 @@ from crossover.driver import (
     QuantStepDriver,
     SparseStepDriver,
     check_min_numel,
+    check_momentum,
     dqsgd_settings,
     gravac_or_dense,
     lr_at,
@@ -309,7 +310,8 @@ class _SparseEngine(_CodecEngine):
 
     def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
                  min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
-                 clock: Callable[[], float] | None) -> None:
+                 clock: Callable[[], float] | None, momentum: float | None = None) -> None:
+        self.momentum = check_momentum(momentum)  # a DDP hook does not see the optimizer: the user says it
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
         if clock is not None and not callable(clock):
@@ -338,7 +340,8 @@ class _SparseEngine(_CodecEngine):
         return self.driver.current is not None and self.driver.current.nonfinite
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
-        return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm)
+        return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm,
+                                 momentum=self.momentum or 0.0)
 
     def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
         out, stats = self.codec.decode(reduced, ctx, self.comm)
@@ -435,15 +438,19 @@ class _Fp16Engine(_Engine):
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
-                  **gravac: Any) -> _Engine:
+                  momentum: float | None = None, **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
         policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
+    if momentum is None and enabled:
+        log.info("crossover.ddp: AdaptiveState(momentum=None): a DDP hook cannot read the optimizer's momentum; "
+                 "pass momentum=<your SGD momentum> so that the policy caps the compression by it "
+                 "(docs/accuracy.md)")
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock)
+                         clock=clock, momentum=momentum)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
@@ -503,7 +510,8 @@ class AdaptiveState:
       allgather, the default; "counts": the counts go first, then the selections, padded to the largest),
       ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
       difference between two step starts; a clock that stops while the process does other work between
-      steps, such as evaluation, keeps that work out of the throughput GraVAC compares).
+      steps, such as evaluation, keeps that work out of the throughput GraVAC compares), ``momentum`` (your
+      optimizer's SGD momentum: a DDP hook cannot read it, and the policy caps the compression by it).
     * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings.
     * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
       number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,

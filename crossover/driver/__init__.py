@@ -11,12 +11,14 @@ from crossover.driver.settings import (
     DQSGD_PARAMS,
     GradientKeys,
     check_min_numel,
+    check_momentum,
     dqsgd_settings,
     gravac_or_dense,
     lr_at,
+    optimizer_momentum,
 )
 from crossover.driver.sparse import CfPolicy, SparseStepDriver
 from crossover.driver.steplog import StepLog
 
 __all__ = ["DQSGD_PARAMS", "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
-           "check_min_numel", "dqsgd_settings", "gravac_or_dense", "lr_at"]
+           "check_min_numel", "check_momentum", "dqsgd_settings", "gravac_or_dense", "lr_at", "optimizer_momentum"]

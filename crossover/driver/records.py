@@ -30,6 +30,7 @@ class StepRecord:
     probe_sq: list[float] = field(default_factory=list)
     probe_norm: list[float] = field(default_factory=list)
     prev_step_time: float | None = None  # the previous step's duration, mean over ranks
+    momentum: float | None = None  # the optimizers' momentum, mean over ranks (None: not reported)
     bytes_sent: int = 0
     bytes_dense: int = 0
     nonfinite: bool = False  # some tensor's reduced statistics were inf/NaN: not shown to the policy
@@ -57,6 +58,8 @@ class StepRecord:
         head = sums[:layout.length]
         if self.prev_step_time is None and math.isfinite(sums[layout.STEP_TIME]):
             self.prev_step_time = sums[layout.STEP_TIME]
+        if self.momentum is None and math.isfinite(sums[layout.MOMENTUM]):
+            self.momentum = sums[layout.MOMENTUM]
         if not all(math.isfinite(v) for v in head):
             self.nonfinite = True
             return
@@ -73,7 +76,8 @@ class StepRecord:
     def to_stats(self, step_time: float) -> StepStats:
         """The policy's view of this step, given its duration."""
         extra = {"grad_sq_norm": self.grad_sq, "grad_norm_sum": self.grad_norm, "dense_norm_sum": self.acc_norm,
-                 "compressed_norm_sums": dict(zip(self.probes, self.probe_norm))}
+                 "compressed_norm_sums": dict(zip(self.probes, self.probe_norm)),
+                 "momentum": math.nan if self.momentum is None else self.momentum}
         known = {f.name for f in fields(StepStats)}
         return StepStats(sent_cf=self.sent_cf, dense_sq_norm=self.acc_sq,
                          compressed_sq_norms=dict(zip(self.probes, self.probe_sq)),
@@ -93,7 +97,7 @@ class StepRecord:
         if not isinstance(d, Mapping):
             raise ValueError(f"a step record must be a mapping or None, got {type(d).__name__}")
         allowed = {f.name for f in fields(cls)}
-        unknown, missing = set(d) - allowed, allowed - set(d)
+        unknown, missing = set(d) - allowed, allowed - set(d) - _ADDED_LATER
         if unknown or missing:
             raise ValueError(f"step record: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
         probes = d["probes"]
@@ -117,8 +121,14 @@ class StepRecord:
             check_real("step record probe statistic", v, 0.0)
         if self.prev_step_time is not None:
             check_real("step record prev_step_time", self.prev_step_time, 0.0)
+        if self.momentum is not None:
+            check_real("step record momentum", self.momentum, 0.0)
         if not all(isinstance(v, bool) for v in (self.nonfinite, self.saturated, self.measure)):
             raise ValueError("step record nonfinite/saturated/measure must be booleans")
+
+
+#: Fields a record saved before they existed may lack (their defaults stand in).
+_ADDED_LATER = {"momentum"}
 
 
 def check_int(what: str, v: object, lo: int) -> int:

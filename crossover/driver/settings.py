@@ -9,7 +9,8 @@ from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.compression.checks import check_flag
 from crossover.driver.sparse import CfPolicy
 
-__all__ = ["DQSGD_PARAMS", "GradientKeys", "check_min_numel", "dqsgd_settings", "gravac_or_dense", "lr_at"]
+__all__ = ["DQSGD_PARAMS", "GradientKeys", "check_min_numel", "check_momentum", "dqsgd_settings", "gravac_or_dense",
+           "lr_at", "optimizer_momentum"]
 
 
 class GradientKeys:
@@ -41,6 +42,30 @@ def check_min_numel(min_compress_numel: object) -> int:
     if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 1:
         raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
     return min_compress_numel
+
+
+def check_momentum(momentum: object) -> float | None:
+    """`momentum` validated: None (read from the optimizer where the glue sees it) or a number in [0, 1)."""
+    if momentum is None:
+        return None
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be None (the optimizer's, where it can be read) or a number in [0, 1) "
+                         f"(your optimizer's momentum; 0 for none), got {momentum!r}")
+    return float(momentum)
+
+
+def optimizer_momentum(opt: Any) -> float:
+    """The largest SGD-style momentum among a torch optimizer's parameter groups (0 when it has none).
+
+    Only a ``momentum`` entry counts (SGD, RMSprop): Adam's beta1 is not one, its updates are scaled by the second
+    moment, and top-k 100x kept Adam's accuracy in the median of the seeds measured (docs/accuracy.md).
+    """
+    best = 0.0
+    for group in getattr(opt, "param_groups", ()) or ():
+        m = group.get("momentum", 0.0) if isinstance(group, dict) else 0.0
+        if isinstance(m, (int, float)) and not isinstance(m, bool) and 0.0 <= m < 1.0:
+            best = max(best, float(m))
+    return best
 
 
 def gravac_or_dense(enabled: bool, **params: Any) -> CfPolicy:

@@ -162,13 +162,16 @@ class SparseStepDriver:
 
     def add_sums(self, sums: Sequence[float], tensors: int, layout: SparseStatsLayout) -> None:
         """The whole step's statistics at once, in `layout`, already summed over tensors and ranks
-        (TensorFlow accumulates them in graph); `sums[STEP_TIME]` is the sum over tensors of the mean
-        step time. A layout with more probes than the plan (TF always measures two) is fine."""
+        (TensorFlow accumulates them in graph); `sums[STEP_TIME]` and `sums[MOMENTUM]` are sums over tensors of
+        means over ranks. A layout with more probes than the plan (TF always measures two) is fine."""
         rec = self.current
         if rec is None or tensors <= 0:
             return
         flags = (rec.nonfinite, rec.saturated)
-        rec.add([1.0, sums[layout.STEP_TIME] / tensors, *sums[2:layout.length]], layout)
+        vec = [1.0, *sums[1:layout.length]]
+        vec[layout.STEP_TIME] /= tensors
+        vec[layout.MOMENTUM] /= tensors
+        rec.add(vec, layout)
         rec.tensors = tensors
         self._count_flags(rec, flags)
 

@@ -41,7 +41,7 @@ from crossover.adaptive.gravac.tunables import (
 )
 from crossover.adaptive.gravac.types import DENSE, Plan, StepStats
 
-__all__ = ["LadderSearch", "ladder_rungs"]
+__all__ = ["LadderSearch", "ladder_rungs", "momentum_cap"]
 
 log = logging.getLogger("crossover.gravac")
 
@@ -59,6 +59,19 @@ def ladder_rungs(cf_min: float, cf_max: float, cf_step: float) -> tuple[float, .
     return tuple(rungs)
 
 
+def momentum_cap(cf_min: float, cf_max: float, momentum: float) -> float:
+    """The highest CF the ladder may send when the optimizer has this momentum m.
+
+    An optimizer with momentum m carries each delivered update into the following steps, so a coordinate that
+    top-k held back for many steps and then sends at once moves the weights 1 / (1 - m) times as far as the burst
+    itself: the staleness error of CF c weighs like that of c / (1 - m) without momentum. cf_max is the highest CF
+    that keeps accuracy without momentum (top-k 1000x did not), so the cap is cf_max * (1 - m), never below cf_min.
+    Measured (real 2-rank jobs, digits MLP, SGD momentum 0.9): top-k 30x, 50x and 100x ended up to 3 to 5 points
+    under dense on 2 of 3 seeds, top-k 10x within 0.6 (docs/accuracy.md).
+    """
+    return max(cf_min, cf_max * (1.0 - momentum))
+
+
 class LadderSearch:
     """The ladder search over ``rungs``; ``step`` is the number of observations, set by the policy."""
 
@@ -69,7 +82,7 @@ class LadderSearch:
         self._gains = gains
         self._window_at = window_at
         self.step = 0
-        self.s = LadderState(held=rungs[-1], last_tried=rungs[-1])
+        self.s = LadderState(held=rungs[-1], last_tried=rungs[-1], top=len(rungs) - 1)
 
     @property
     def floor_cf(self) -> float:
@@ -94,11 +107,12 @@ class LadderSearch:
     # ------------------------------------------------------------------ searches
     def first_search(self) -> None:
         """From the top of the ladder: walk down. From a middle rung (``start_cf``): walk up first, then down."""
+        top = self.s.top
         if self._start_cf is None:
-            i = len(self.rungs) - 1
+            i = top
         else:
-            i = max(j for j, cf in enumerate(self.rungs) if cf <= self._start_cf * (1.0 + 1e-9))
-        if i == len(self.rungs) - 1:
+            i = max(j for j, cf in enumerate(self.rungs[:top + 1]) if cf <= self._start_cf * (1.0 + 1e-9))
+        if i == top:
             self._start_search(i, -1, why="first search, from the top")
         else:
             self._start_search(i, +1, turn_down=True, why="first search, from start_cf")
@@ -230,7 +244,7 @@ class LadderSearch:
         rate = self._rate_now(cf, med)
         s.drift_from = cf
         nxt = i + 1 if slower else i - 1
-        if 0 <= nxt < len(self.rungs):
+        if 0 <= nxt <= s.top:
             if slower:
                 s.retry_rung = None  # the walk up tries the CFs above anyway
             self._start_search(nxt, +1 if slower else -1, best=cf,
@@ -309,7 +323,7 @@ class LadderSearch:
             first = s.best is None
             s.best, s.best_rate = cf, max(s.best_rate, rec.rate)
             s.turn_down = s.turn_down and first  # once the walk up has moved, it never turns down
-            if i + 1 < len(self.rungs):
+            if i + 1 <= s.top:
                 self._try(self.rungs[i + 1])
                 return
             if not s.turn_down:
@@ -457,7 +471,8 @@ class LadderSearch:
         # retries (a walk-up trial each, from the lower CF's residual) cost more than the tie can return.
         best = s.rates[cf].rate if cf in s.rates else s.best_rate
         for hi, r in sorted(s.rates.items()):
-            if hi > cf and r.judged_at >= s.search_step and r.gain < 1.0 and self._may_keep_up(r, best):
+            if hi > cf and self.rungs.index(hi) <= s.top and r.judged_at >= s.search_step and r.gain < 1.0 \
+                    and self._may_keep_up(r, best):
                 self._note_gain_failure(hi)
                 break
         if s.retry_rung is not None and s.retry_rung <= cf:
@@ -483,9 +498,28 @@ class LadderSearch:
         if cf in s.rates and s.recent:
             rate = self._rate_now(cf, step_time(s.recent))
         s.retry_rung = None
-        if i + 1 < len(self.rungs):
+        if i + 1 <= s.top:
             self._start_search(i + 1, +1, best=cf, best_rate=rate,
                                why=f"CF {self.rungs[i + 1]:g} lost on its gain earlier, not on step time: retrying it")
+
+    # ------------------------------------------------------------------ the optimizer's momentum
+    def set_top(self, top: int, why: str) -> None:
+        """Allow the rungs up to index ``top`` only; a trial or settled CF above it starts a search from ``top``
+        walking down (as does a higher ``top``: the CFs it allows are worth a trial). Before the first search,
+        only the bound changes."""
+        s = self.s
+        if top == s.top:
+            return
+        raised = top > s.top
+        s.top = top
+        if s.retry_rung is not None and self.rungs.index(s.retry_rung) > top:
+            s.retry_rung = None
+        if s.searches == 0:
+            return
+        current = s.trial.cf if s.trial is not None else s.held
+        if raised or self.rungs.index(current) > top:
+            s.drift_from = None
+            self._start_search(top, -1, why=why)
 
     # ------------------------------------------------------------------ state
     def throughput_steps(self) -> dict[float, int]:

@@ -99,6 +99,7 @@ class LadderState:
     reason: str = ""  # why the search settled: "time" or "gain" (a higher CF is to be retried)
     trial_times: dict[float, list[float]] = field(default_factory=dict)  # timed steps of each CF's latest trial
     tie: dict[float, list[float]] | None = None  # dense vs cf_min, being decided: pooled timed steps of each
+    top: int = 0  # index of the highest rung allowed: the last one, unless the optimizer's momentum caps it
 
     def to_state(self) -> dict[str, Any]:
         tr = self.trial
@@ -115,6 +116,7 @@ class LadderState:
             "reason": self.reason,
             "trial_times": [[cf, list(t)] for cf, t in sorted(self.trial_times.items())],
             "tie": None if self.tie is None else [[cf, list(t)] for cf, t in sorted(self.tie.items())],
+            "top": self.top,
         }
 
     #: The saved fields of a paper search that a ladder search leaves at their initial values.
@@ -154,7 +156,10 @@ class LadderState:
             retry_gap=read.count("retry_gap"), searches=read.count("searches"), search_step=read.count("search_step"),
             turn_down=read.flag("turn_down"), reason=read.text("reason", ("", "time", "gain")),
             trial_times=read.cf_lists("trial_times", top) or {}, tie=read.cf_lists("tie", top),
+            top=read.count("top"),
         )
+        if st.top >= len(rungs):
+            raise ValueError(f"GravacPolicy state: top {st.top} is not a rung of the ladder {list(rungs)}")
         named = {"floor": st.held, "candidate": st.last_tried, "best": st.best, "retry": st.retry_rung,
                  "drift_from": st.drift_from, "trial": None if st.trial is None else st.trial.cf}
         for what, cf in named.items():

@@ -21,13 +21,14 @@ that share the smoothed gains (``gains.py``): ``search="ladder"`` (default, ``la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Union
 
 from crossover.adaptive._state import check_saved_state
 from crossover.adaptive.gravac import tunables as T
 from crossover.adaptive.gravac.gains import GAINS, GainBook
-from crossover.adaptive.gravac.ladder import LadderSearch, ladder_rungs
+from crossover.adaptive.gravac.ladder import LadderSearch, ladder_rungs, log, momentum_cap
 from crossover.adaptive.gravac.ladder_state import LadderState
 from crossover.adaptive.gravac.paper import SCALINGS, PaperSearch
 from crossover.adaptive.gravac.saved import StateReader
@@ -38,10 +39,10 @@ __all__ = ["SEARCHES", "GravacPolicy"]
 #: Names accepted for ``search``.
 SEARCHES = ("ladder", "paper")
 
-_STATE_VERSION = 5
+_STATE_VERSION = 6
 #: State versions :meth:`GravacPolicy.load_state_dict` still reads (3: no end-of-trial gain per timed CF;
-#: 4: no tie-break between dense and cf_min).
-_OLD_STATE_VERSIONS = (3, 4)
+#: 4: no tie-break between dense and cf_min; 5: no momentum cap).
+_OLD_STATE_VERSIONS = (3, 4, 5)
 _AUTO = "auto"
 #: The ladder fields a paper search saves at their initial values (one saved layout for both searches).
 _LADDER_UNUSED = {k: v for k, v in LadderState(held=DENSE, last_tried=DENSE).to_state().items()
@@ -132,6 +133,7 @@ class GravacPolicy:
         self._warmup = warmup_steps
         self._search_kind = search
         self._step = 0
+        self._momentum: float | None = None  # the optimizers' momentum, as last reported (mean over ranks)
         self._rungs = ladder_rungs(float(cf_min), float(cf_max), float(cf_step))
         self._gains = GainBook(gain, float(ewma_alpha))
         self._search = self._new_search()
@@ -163,15 +165,31 @@ class GravacPolicy:
         self._step += 1
         search = self._search
         if self._step <= self._warmup:
-            if self._step == self._warmup and isinstance(search, LadderSearch):
-                search.step = self._step
-                search.first_search()
+            if isinstance(search, LadderSearch):
+                self._note_momentum(stats.momentum)  # before the first search: it only bounds it
+                if self._step == self._warmup:
+                    search.step = self._step
+                    search.first_search()
             return  # warm-up: gains only, no throughput and no search
         if isinstance(search, PaperSearch):
             search.observe(stats, step_gains, self._step)
         else:
             search.step = self._step
             search.observe(stats)
+            self._note_momentum(stats.momentum)
+
+    def _note_momentum(self, m: float) -> None:
+        """Ladder: the optimizer's momentum caps the CF (``ladder.momentum_cap``); a new value moves the cap."""
+        if not (math.isfinite(m) and 0.0 <= m < 1.0) or m == self._momentum:
+            return
+        self._momentum = m
+        c = self._config
+        cap = momentum_cap(c["cf_min"], c["cf_max"], m) * (1.0 + 1e-6)  # the reduced mean is float32
+        top = max(i for i, cf in enumerate(self._rungs) if cf <= cap or i <= 1)
+        assert isinstance(self._search, LadderSearch)
+        if top != self._search.s.top:
+            log.info("step %d: optimizer momentum %.3g: the ladder stops at CF %g", self._step, m, self._rungs[top])
+        self._search.set_top(top, why=f"momentum {m:.3g} caps the CF at {self._rungs[top]:g}")
 
     @property
     def needs_grad_norms(self) -> bool:
@@ -284,6 +302,8 @@ class GravacPolicy:
                 "reference_step_time_s": s.ref_time if s.settled else None,
                 "retry_cf": s.retry_rung,
                 "retry_at_step": s.retry_at if s.retry_rung is not None else None,
+                "max_cf": self._rungs[s.top],  # the highest CF allowed: cf_max, unless the momentum caps it
+                "momentum": self._momentum,
             })
         return out
 
@@ -295,7 +315,7 @@ class GravacPolicy:
         own = {**search.to_state(), **_LADDER_UNUSED} if isinstance(search, PaperSearch) else \
             {**LadderState.PAPER_FIELDS, **search.s.to_state()}
         return {"version": _STATE_VERSION, "config": self.config, "step": self._step,
-                "gains": self._gains.to_state(), **own}
+                "gains": self._gains.to_state(), "momentum": self._momentum, **own}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the saved config must equal this policy's config. Every field is
@@ -304,11 +324,12 @@ class GravacPolicy:
             raise ValueError(f"GravacPolicy state must be a mapping, got {type(state).__name__}")
         if state.get("version") in _OLD_STATE_VERSIONS:
             # version 3 kept no end-of-trial gain: its gain over the window's second half stands in; versions 3
-            # and 4 kept no trial times and had no tie-break
+            # and 4 kept no trial times and had no tie-break; versions 3 to 5 had no momentum cap (all rungs)
             rates = state.get("rates")
             if not isinstance(rates, list):
                 raise ValueError(f"GravacPolicy state: rates must be a list, got {rates!r}")
-            state = {"trial_times": [], "tie": None, **state, "version": _STATE_VERSION,
+            top = 0 if self._search_kind == "paper" else len(self._rungs) - 1
+            state = {"trial_times": [], "tie": None, "top": top, "momentum": None, **state, "version": _STATE_VERSION,
                      "rates": [[*r, r[2]] if isinstance(r, list) and len(r) == 6 else r for r in rates]}
         check_saved_state("GravacPolicy", state, _STATE_VERSION, self.config)
         unused = _LADDER_UNUSED if self._search_kind == "paper" else LadderState.PAPER_FIELDS
@@ -318,6 +339,9 @@ class GravacPolicy:
                                  f"(a field of the other search), got {state.get(name, '<missing>')!r}")
         read = StateReader(state)
         step = read.count("step")
+        momentum = read._get("momentum")
+        if momentum is not None and not (is_real(momentum) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"GravacPolicy state: momentum must be None or a number in [0, 1), got {momentum!r}")
         gains = GainBook.check_state(read.rows("gains", 5))
         search = self._new_search()
         if isinstance(search, PaperSearch):
@@ -326,6 +350,7 @@ class GravacPolicy:
             search.load(LadderState.from_state(state, self._rungs))
         # checked: apply
         self._step = step
+        self._momentum = None if momentum is None else float(momentum)
         self._gains.load(gains)
         self._search = search
 

@@ -73,8 +73,11 @@ class StepStats:
     ``grad_norm_sum``: sum of ``||g||`` (per-tensor L2 norms, as the GraVAC authors' code sums layers).
     ``dense_norm_sum``: sum of ``||g + e||``.
     ``compressed_norm_sums``: ``{cf: sum of ||C_cf(g + e)||}`` for the probed CFs.
+    ``momentum``: the optimizer's momentum m, mean over ranks (Adam: beta1), or NaN when not reported. The
+    optimizer carries each delivered update into later steps, multiplying its weight by 1 / (1 - m): the ladder
+    caps the CF by it (``ladder.py``, ``momentum_cap``).
 
-    The last four default to "not measured" (NaN, empty): a gain definition that needs a missing number
+    The last five default to "not measured" (NaN, empty): a gain definition that needs a missing number
     simply has no measurement on that step. Values that are not finite, or negative, are ignored by the
     policy (a NaN gradient on one step must not crash training); a zero denominator carries no gain
     information and is skipped. A step that measured nothing (dense, no probes) still counts: its time and
@@ -90,6 +93,7 @@ class StepStats:
     grad_norm_sum: float = math.nan
     dense_norm_sum: float = math.nan
     compressed_norm_sums: Mapping[float, float] = field(default_factory=dict)
+    momentum: float = math.nan
 
     def __post_init__(self) -> None:
         # Freeze private copies so a caller mutating its dict cannot change a recorded step.
