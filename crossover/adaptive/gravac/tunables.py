@@ -11,7 +11,8 @@ from __future__ import annotations
 # ---------------------------------------------------------------- settings' defaults (GravacPolicy(...))
 #: Lowest compressed CF: the paper's CF_min; top-k 10x kept dense's accuracy on every workload measured.
 CF_MIN = 10.0
-#: Highest CF: top-k 1000x lost accuracy on 4 of 6 workloads, a cost step times cannot show.
+#: Highest CF: top-k 1000x lost accuracy on 4 of 6 workloads, a cost step times cannot show. Under an optimizer of
+#: momentum m the ladder stops at CF_MAX x (1 - m) (ladder.momentum_cap; docs/accuracy.md).
 CF_MAX = 100.0
 #: Gain a CF needs to be sent: the delivered gain is ~1 for a CF that keeps up; 0.5 rejects one delivering under half.
 EPSILON = 0.5
