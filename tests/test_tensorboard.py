@@ -343,7 +343,7 @@ def test_searches_and_settles_are_logged_as_they_happen() -> None:
     for i in range(14):
         drv.begin_step(0.01 * i)
         drv.count(100, 400)
-        drv.add_sums([1.0, 0.01, 4.0, 2.0, 4.0, 2.0, 1.0, 1.0], 1, layout)
+        drv.add_sums([1.0, 0.01, 4.0, 2.0, 4.0, 2.0, 0.0, 1.0, 1.0], 1, layout)  # ..., momentum, probe
     drv.close_tensorboard()
     events = [(s, t, v) for t, v, s in rec.scalars if t in ("crossover/searches", "crossover/settled_cf")]
     # observations lag two steps: the policy's n-th observation happens as step n + 2 begins
