@@ -15,7 +15,7 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
-  allgather of each rank's ``ceil(k / W)`` index proposals for the next step (``sparse_codec.py``).
+  allgather of each rank's ``ceil(k / 2W)`` index proposals for the next step (``agreed.py``).
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
 index + an fp32 value (8 bytes). ``FP16`` (Horovod's own cast) and three schemes from the literature that the
@@ -52,6 +52,9 @@ VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
 GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
 AGREED_CHECK = 4  # floats after the agreed values: two hashes of the index set and their squares
+#: Share of an agreed set that the ranks' proposals fill at most; the shared seed draws the rest. On the digits MLP
+#: at 8 ranks a set of proposals alone lost 3-5 accuracy points even to random-k (docs/transport-study.md).
+AGREED_PROPOSAL_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,9 @@ def allgather_bytes(elements: int, world_size: int, width: int = PAIR_BYTES) -> 
     return ring_allgather(float(elements) * width, world_size).bytes
 
 
-def agreed_proposals(k: int, world: int) -> int:
-    """Index proposals each rank sends for the next step's agreed set: ``ceil(k / W)`` (at least 1)."""
-    return max(1, -(-int(k) // int(world)))
+def agreed_proposals(k: int, world: int, share: float = AGREED_PROPOSAL_SHARE) -> int:
+    """Index proposals each rank sends for the next step's agreed set: ``ceil(share k / W)`` (at least 1)."""
+    return max(1, math.ceil(share * int(k) / int(world) - 1e-9))
 
 
 def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -> Cost:
