@@ -41,11 +41,12 @@ class _SparseCompression(TorchHookBase):
     """A CF policy driving a sparsifying codec: the shared body of GraVAC and static compression."""
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
-                 seed: int, log_csv: str | None) -> None:
+                 seed: int, log_csv: str | None, transport: str) -> None:
         super().__init__(min_compress_numel=min_compress_numel)
         self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
                                  grad_norms=bool(getattr(policy, "needs_grad_norms", False)))
-        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank)
+        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
+                                       transport=None if self.codec.selector.shared_indices else transport)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.log_csv = log_csv
@@ -105,6 +106,7 @@ class _SparseCompression(TorchHookBase):
             self.codec.memory.validate(state["residuals"])
         in_flight = self.driver.load_state_dict(state)
         self.codec.seed = self.driver.seed
+        self.codec.forget_agreed()
         if "residuals" in state:
             self.codec.memory.load(state["residuals"])
         TorchHookBase.reset(self)
@@ -115,6 +117,7 @@ class _SparseCompression(TorchHookBase):
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         super().reset()
         self.driver.reset()
+        self.codec.forget_agreed()
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
@@ -135,24 +138,29 @@ class GravacCompression(_SparseCompression):
     keeps the policy's default, so `AdaptiveCompression()` is exactly the policy's defaults (docs/gravac.md).
     `enabled=False` turns compression off (exact dense allreduce). `min_compress_numel`: smaller
     tensors (biases, norms) go dense. `log_csv`: a path (`{rank}` allowed; one file per rank) that gets
-    one row per step.
+    one row per step. `transport` (rank-specific compressors): "auto" (the cost model's cheapest, the agreed
+    index set, unless measured step times favour each rank's own pairs by allgather), "agreed" or
+    "allgather" (docs/scaling.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
-                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, **gravac: Any) -> None:
+                 enabled: bool = True, seed: int = 0, log_csv: str | None = None, transport: str = "auto",
+                 **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv)
+                         seed=seed, log_csv=log_csv, transport=transport)
         self.enabled = bool(enabled)
 
 
 class StaticCompression(_SparseCompression):
-    """A fixed compression factor: `StaticCompression("topk", cf=100)` is static top-k at 1 %."""
+    """A fixed compression factor: `StaticCompression("topk", cf=100)` is static top-k at 1 %, each rank's
+    pairs by allgather; `transport="agreed"` sends values at the agreed index set instead (flat in W)."""
 
     def __init__(self, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
-                 min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None) -> None:
+                 min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None,
+                 transport: str = "allgather") -> None:
         super().__init__(compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, transport=transport)
 
 
 class AdaptiveCompression(AdaptiveFacade):

@@ -244,7 +244,7 @@ class _SparseEngine(_CodecEngine):
 
     def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
                  min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
-                 clock: Callable[[], float] | None) -> None:
+                 clock: Callable[[], float] | None, transport: str) -> None:
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
         if clock is not None and not callable(clock):
@@ -257,7 +257,8 @@ class _SparseEngine(_CodecEngine):
         super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
         self.comm.equal_sizes = gather == "pad"
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
-                                       rank=self.comm.rank)
+                                       rank=self.comm.rank,
+                                       transport=None if self.codec.selector.shared_indices else transport)
         self.compressor = compressor
 
     def _begin_step(self) -> None:
@@ -279,6 +280,11 @@ class _SparseEngine(_CodecEngine):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.codec.seed = self.driver.seed
+        self.codec.forget_agreed()
+
+    def reset(self) -> None:
+        super().reset()
+        self.codec.forget_agreed()
 
 
 class _QuantEngine(_CodecEngine):
@@ -364,7 +370,7 @@ class _Fp16Engine(_Engine):
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
-                  **gravac: Any) -> _Engine:
+                  transport: str = "auto", **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
         policy = gravac_or_dense(bool(enabled), **gravac)  # GravacPolicy's own defaults and checks
@@ -372,16 +378,17 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
         raise ValueError(f"policy='gravac': {exc}") from None
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock)
+                         clock=clock, transport=transport)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
-                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None) -> _Engine:
+                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
+                  transport: str = "allgather") -> _Engine:
     make_selector(compressor)
     return _SparseEngine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock)
+                         clock=clock, transport=transport)
 
 
 def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
@@ -432,8 +439,10 @@ class AdaptiveState:
       allgather, the default; "counts": the counts go first, then the selections, padded to the largest),
       ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
       difference between two step starts; a clock that stops while the process does other work between
-      steps, such as evaluation, keeps that work out of the throughput GraVAC compares).
-    * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings.
+      steps, such as evaluation, keeps that work out of the throughput GraVAC compares), ``transport``
+      (rank-specific compressors: "auto", the default, "agreed" or "allgather"; docs/scaling.md).
+    * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings
+      (``transport`` defaults to "allgather": each rank's own pairs, static top-k as the literature runs it).
     * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
       number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,
       ``target_bits``, ``b_min``, ``b_max``, ``decay``, ``error_feedback``, ``min_compress_numel``,

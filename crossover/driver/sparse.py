@@ -24,15 +24,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
+from crossover.adaptive.gravac import tunables as T
+from crossover.adaptive.gravac.transport_choice import CfState, TransportChoice
+from crossover.compression import cost_model
 from crossover.compression.wire import SparseStatsLayout, normalize_reduced
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
 
-__all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "SparseStepDriver"]
+__all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "SparseStepDriver", "TRANSPORTS"]
 
 log = logging.getLogger("crossover.driver")
 
 CF_POLICY_STATE_VERSION = 1
+
+#: ``transport=`` of a rank-specific selector (top-k, DGC, RedSync): "auto" (the cost model's cheapest, then
+#: measured time: ``TransportChoice``), "agreed" (always the agreed index set) or "allgather" (always each
+#: rank's own pairs). Shared-index selectors (random-k) always allreduce: pass None.
+TRANSPORTS = ("auto", cost_model.AGREED, cost_model.ALLGATHER)
 
 
 class CfPolicy(Protocol):
@@ -52,8 +60,16 @@ class SparseStepDriver:
     """Step counter, plans, one-step-late observation, byte counters and state of a CF policy."""
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
-                 rank: Callable[[], int] = lambda: 0) -> None:
+                 rank: Callable[[], int] = lambda: 0, transport: str | None = None) -> None:
+        if transport is not None and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)} (or None for a shared-index "
+                             f"compressor), got {transport!r}")
         self.policy = policy
+        self.transport = transport
+        config = getattr(policy, "config", None)
+        omega = config.get("omega", T.OMEGA) if isinstance(config, Mapping) else T.OMEGA
+        self.transports = TransportChoice((cost_model.AGREED, cost_model.ALLGATHER), omega=omega) \
+            if transport == "auto" else None
         self.compressor = compressor
         self.seed = int(seed)
         self.log = StepLog(log_csv, rank)
@@ -84,8 +100,17 @@ class SparseStepDriver:
         plan = self.policy.plan()
         self.current = StepRecord(step=self.step, sent_cf=float(plan.send_cf),
                                   probes=tuple(float(p) for p in plan.probe_cfs),
-                                  measure=plan.measure)
+                                  measure=plan.measure, transport=self._transport_for(float(plan.send_cf)))
         return self.current
+
+    def _transport_for(self, cf: float) -> str | None:
+        """The transport of a step sending ``cf``: the transport choice's, the fixed one, or None (dense, or the
+        codec's default). Identical on every rank (plans and reduced statistics only)."""
+        if cf <= 1.0 or self.transport is None:
+            return None
+        if self.transports is not None:
+            return self.transports.plan(cf)
+        return self.transport
 
     def skips_all(self) -> bool:
         """True when the step in flight neither compresses nor measures anything: every tensor may go
@@ -99,6 +124,10 @@ class SparseStepDriver:
         if p is not None and rec.prev_step_time is not None:
             if not p.skipped:  # a non-finite or saturated step is not shown to the policy, on every rank
                 self.policy.observe(p.to_stats(rec.prev_step_time))
+                if self.transports is not None:
+                    self.transports.observe(sent_cf=p.sent_cf, transport=p.transport,
+                                            step_time_s=rec.prev_step_time, predicted_bytes=p.transport_bytes,
+                                            cf_state=CfState.of(self.policy.summary()))
             self.log.write(p.step - 1, p, rec.prev_step_time)
         self.pending = rec if rec.tensors else None
 
@@ -157,7 +186,9 @@ class SparseStepDriver:
         gain = gains.get(cf, 1.0 if cf == 1.0 else None)
         return {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
                 "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
-                "saturated_steps": self.saturated_steps, "compressor": self.compressor, "policy": summary}
+                "saturated_steps": self.saturated_steps, "compressor": self.compressor, "policy": summary,
+                "transport": self.current.transport if self.current is not None else None,
+                "transport_choice": self.transports.summary() if self.transports is not None else None}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals are the glue's)."""
@@ -168,7 +199,8 @@ class SparseStepDriver:
                 "current": None if self.current is None else self.current.to_dict(),
                 "pending": None if self.pending is None else self.pending.to_dict(),
                 "last_step_time": self.last_step_time, "nonfinite_steps": self.nonfinite_steps,
-                "saturated_steps": self.saturated_steps}
+                "saturated_steps": self.saturated_steps,
+                "transport": None if self.transports is None else self.transports.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> bool:
         """Restore from `state_dict()`; returns whether a step was in flight (its statistics are kept).
@@ -195,8 +227,13 @@ class SparseStepDriver:
         current = StepRecord.from_dict(state.get("current"))
         pending = StepRecord.from_dict(state.get("pending"))
         last_step_time = check_real("last_step_time", state.get("last_step_time", 0.0), 0.0)
+        transports = None
+        if self.transports is not None:  # a state saved without it (older, or another transport=) starts afresh
+            transports = TransportChoice(self.transports.candidates, omega=self.transports.omega)
+            if state.get("transport") is not None:
+                transports.load_state_dict(state["transport"])
         # validated: apply
-        self.policy, self.seed = policy, seed
+        self.policy, self.seed, self.transports = policy, seed, transports
         for name, v in counters.items():
             setattr(self, name, v)
         self.reset()
