@@ -25,6 +25,7 @@ import horovod.torch as hvd
 import torch
 
 from crossover.adaptive.static import StaticPolicy
+from crossover.compression.agreed import sets_from_state
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import CfPolicy, SparseStepDriver, gravac_or_dense
 from horovod_ext._class_guard import CompressionType
@@ -92,6 +93,7 @@ class _SparseCompression(TorchHookBase):
     def state_dict(self, include_residuals: bool = True) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule."""
         state = self.driver.state_dict()
+        state["agreed"] = self.codec.agreed_state()  # the same on every rank: kept by sync() too
         if include_residuals:
             state["residuals"] = self.codec.memory.state()
         return state
@@ -104,9 +106,11 @@ class _SparseCompression(TorchHookBase):
         """
         if isinstance(state, Mapping) and "residuals" in state:
             self.codec.memory.validate(state["residuals"])
+        if isinstance(state, Mapping) and "agreed" in state:
+            sets_from_state(state["agreed"])  # checked before anything changes
         in_flight = self.driver.load_state_dict(state)
         self.codec.seed = self.driver.seed
-        self.codec.forget_agreed()
+        self.codec.load_agreed(state.get("agreed", {}))
         if "residuals" in state:
             self.codec.memory.load(state["residuals"])
         TorchHookBase.reset(self)

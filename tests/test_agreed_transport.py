@@ -204,3 +204,25 @@ def test_random_k_and_plans_without_agreed_keep_their_transport():
     codecs = [SparseCodec("topk") for _ in range(world)]
     enc, _ = _exchange(codecs, group, _grads(world, 1, n), _Plan(1, 20.0, None))
     assert enc[0][1].kind == "ag"
+
+
+def test_agreed_sets_round_trip_through_a_checkpoint_and_bad_ones_are_refused():
+    world, n, cf = 2, 20_000, 20.0
+    group = SimulatedGroup(world)
+    codecs = [SparseCodec("topk") for _ in range(world)]
+    _exchange(codecs, group, _grads(world, 1, n), _Plan(1, cf))
+    saved = codecs[0].agreed_state()
+    fresh = [SparseCodec("topk") for _ in range(world)]
+    for f, c in zip(fresh, codecs):
+        f.load_agreed(saved)
+        f.memory.load(c.memory.state())
+    enc_a, out_a = _exchange(codecs, group, _grads(world, 2, n), _Plan(2, cf))
+    enc_b, out_b = _exchange(fresh, SimulatedGroup(world), _grads(world, 2, n), _Plan(2, cf))
+    assert torch.equal(enc_a[0][1].idx, enc_b[0][1].idx) and torch.equal(out_a[0], out_b[0])
+    step, k, numel, idx = saved["w"]
+    before = fresh[0].agreed_state()
+    for bad in ({"w": [step, k, numel, idx[::-1]]}, {"w": [step, k, numel, idx[:-1]]}, {"w": [step, k, 5, idx]},
+                {"w": [-1, k, numel, idx]}, {"w": "x"}, {3: [step, k, numel, idx]}, ["w"]):
+        with pytest.raises(ValueError):
+            fresh[0].load_agreed(bad)
+    assert fresh[0].agreed_state() == before  # the failed loads changed nothing

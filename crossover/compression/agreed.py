@@ -6,14 +6,14 @@ whose bytes per worker do not grow with W. The agreed set makes top-k indices sh
 
 * at step t each rank sends the values of its accumulator (gradient + residual) at the set agreed for t,
   summed by the host's allreduce; everything else stays in its residual (error feedback);
-* in the same step each rank proposes ``m = ceil(k / 2W)`` indices for step t+1 (`AGREED_PROPOSAL_SHARE`): the
-  largest entries of its prediction of the next accumulator (its residual after this send + this step's
-  gradient), in descending order; the proposals travel by one allgather of m int32 per rank (2 k bytes per
-  worker);
+* in the same step each rank proposes ``m = ceil(s k / W)`` indices for step t+1, ``s = min(1/2, 1/sqrt(2W))``
+  (`cost_model.agreed_share`): the largest entries of its prediction of the next accumulator (its residual after
+  this send + this step's gradient), in descending order; the proposals travel by one allgather of m int32 per
+  rank (at most 2 k bytes per worker);
 * every rank merges the same gathered proposals the same way (`merge_proposals`): the union, ranked by
   position in the proposing rank's list (ties between ranks broken by a rotation that changes every step),
   cut to k, and filled up to k with indices drawn from the shared seed. So every rank holds the same set for
-  step t+1 with no further communication. The drawn half matters: a set of proposals only sends, step after
+  step t+1 with no further communication. The drawn part matters: a set of proposals only sends, step after
   step, what single ranks' noisy accumulators rank highest, and leaves the rest of the residual to grow stale
   (on the digits MLP at 8 ranks it lost even to random-k; docs/transport-study.md).
 
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .cost_model import AGREED_CHECK, AGREED_PROPOSAL_SHARE, agreed_proposals
+from .cost_model import AGREED_CHECK, agreed_proposals
 
-__all__ = ["AgreedSet", "check_values", "checks_agree", "fingerprint", "merge_proposals", "propose"]
+__all__ = ["AgreedSet", "check_values", "checks_agree", "fingerprint", "merge_proposals", "propose",
+           "sets_from_state", "sets_to_state"]
 
 PROPOSAL_SLACK = 2  # a sampled threshold keeps about twice the proposals: the exact top m is among them
 SAMPLE_MIN = 4096  # elements sampled at least to set that threshold (as the top-k selector samples)
@@ -87,8 +88,9 @@ def bootstrap(numel: int, k: int, seed: int, device: torch.device) -> torch.Tens
     return idx
 
 
-def propose(score: torch.Tensor, k: int, world: int, share: float = AGREED_PROPOSAL_SHARE) -> torch.Tensor:
-    """This rank's ``ceil(share k / W)`` proposals: indices of the largest |score|, largest first (int32).
+def propose(score: torch.Tensor, k: int, world: int, share: float | None = None) -> torch.Tensor:
+    """This rank's ``ceil(share k / W)`` proposals (``share``: ``cost_model.agreed_share(W)`` unless given): indices
+    of the largest |score|, largest first (int32).
 
     A threshold from a strided sample keeps about ``PROPOSAL_SLACK`` times too many in one pass (the C
     kernel), then an exact top among those few; a sample that set the threshold too high falls back to
@@ -127,16 +129,48 @@ def merge_proposals(gathered: torch.Tensor, world: int, step: int, k: int, numel
         raise RuntimeError(f"agreed index proposals out of range [0, {numel}) (ranks disagree on the tensor)")
     shift = step % world
     order = torch.roll(props, -shift, dims=0).t().reshape(-1)  # position-major, rotated rank-minor
-    vals, pos = torch.sort(order, stable=True)
-    first = torch.ones_like(vals, dtype=torch.bool)
-    first[1:] = vals[1:] != vals[:-1]
-    keep = torch.sort(pos[first]).values[:k]
-    union = order[keep]
+    pos = torch.arange(order.numel(), dtype=torch.int32, device=order.device)
+    first = torch.full((numel,), order.numel(), dtype=torch.int32, device=order.device)
+    first.scatter_reduce_(0, order, pos, reduce="amin")  # each proposed index's first position
+    union = order[first[order] == pos][:k]
     need = k - union.numel()
-    if need > 0:
+    if need > 0:  # every distinct proposal is in: an index was proposed iff its first position is set
         pool = bootstrap(numel, min(numel, k + union.numel()), seed, union.device).to(torch.int64)
-        pool = pool[~torch.isin(pool, union)]
+        pool = pool[first[pool] == order.numel()]
         pick = torch.empty(min(need, pool.numel()), dtype=torch.int32, device=union.device)
         kernels.random_indices(pool.numel(), pick.numel(), seed ^ 0x2545F4914F6CDD1D, pick)
         union = torch.cat([union, pool[pick.long()]])
     return torch.sort(union).values.to(torch.int32)
+
+
+def sets_to_state(sets: dict[str, AgreedSet]) -> dict[str, list]:
+    """Agreed sets as plain values: key -> [step, k, numel, indices]."""
+    return {key: [a.step, a.k, a.numel, a.idx.tolist()] for key, a in sets.items()}
+
+
+def sets_from_state(state: object) -> dict[str, AgreedSet]:
+    """`sets_to_state` output back as agreed sets (on the CPU), checked: ValueError naming what is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"agreed index sets must be a mapping of key -> [step, k, numel, indices], got {state!r:.80}")
+    out = {}
+    for key, entry in state.items():
+        idx = _check_entry(key, entry)
+        step, k, numel, _ = entry
+        out[key] = AgreedSet(step, k, numel, idx, fingerprint(key, step, "agreed", idx))
+    return out
+
+
+def _check_entry(key: object, entry: object) -> torch.Tensor:
+    bad = ValueError(f"agreed index set {key!r}: expected [step, k, numel, k sorted distinct indices < numel], "
+                     f"got {entry!r:.80}")
+    if not isinstance(key, str) or not isinstance(entry, (list, tuple)) or len(entry) != 4:
+        raise bad
+    step, k, numel, idx = entry
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, k, numel)) or step < 0 \
+            or not 1 <= k <= numel < 2 ** 31 or not isinstance(idx, list) or len(idx) != k \
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in idx):
+        raise bad
+    t = torch.tensor(idx, dtype=torch.int64)
+    if not bool((t[1:] > t[:-1]).all()) or int(t[0]) < 0 or int(t[-1]) >= numel:
+        raise bad
+    return t.to(torch.int32)

@@ -15,7 +15,7 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
-  allgather of each rank's ``ceil(k / 2W)`` index proposals for the next step (``agreed.py``).
+  allgather of each rank's ``ceil(k / (W sqrt(2W)))`` index proposals for the next step (``agreed.py``).
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
 index + an fp32 value (8 bytes). ``FP16`` (Horovod's own cast) and three schemes from the literature that the
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["AGREED", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE", "FP16", "GTOPK", "Link",
-           "MODELLED", "OKTOPK", "POWERSGD", "agreed_proposals", "allgather_bytes", "allreduce_bytes",
+           "MODELLED", "OKTOPK", "POWERSGD", "agreed_proposals", "agreed_share", "allgather_bytes", "allreduce_bytes",
            "choose_transport", "ring_allgather", "ring_allreduce", "transport_cost"]
 
 DENSE = "dense"  # allreduce of the whole (error-compensated) tensor
@@ -52,9 +52,13 @@ VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
 GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
 AGREED_CHECK = 4  # floats after the agreed values: two hashes of the index set and their squares
-#: Share of an agreed set that the ranks' proposals fill at most; the shared seed draws the rest. On the digits MLP
-#: at 8 ranks a set of proposals alone lost 3-5 accuracy points even to random-k (docs/transport-study.md).
-AGREED_PROPOSAL_SHARE = 0.5
+#: Share of an agreed set that the ranks' proposals fill at most, 1 / sqrt(2 W) (the shared seed draws the rest):
+#: on the digits MLP it measured best of 1, 1/2 and 1/4 at both 2 ranks (1/2) and 8 (1/4); proposals alone lost
+#: even to random-k at 8 ranks, each rank's own top entries being noisier the more ranks share the set
+#: (docs/transport-study.md).
+def agreed_share(world: int) -> float:
+    """Share of an agreed set filled by proposals at ``world`` ranks: min(1/2, 1 / sqrt(2 W))."""
+    return min(0.5, 1.0 / math.sqrt(2.0 * max(1, int(world))))
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,10 @@ def allgather_bytes(elements: int, world_size: int, width: int = PAIR_BYTES) -> 
     return ring_allgather(float(elements) * width, world_size).bytes
 
 
-def agreed_proposals(k: int, world: int, share: float = AGREED_PROPOSAL_SHARE) -> int:
-    """Index proposals each rank sends for the next step's agreed set: ``ceil(share k / W)`` (at least 1)."""
+def agreed_proposals(k: int, world: int, share: float | None = None) -> int:
+    """Index proposals each rank sends for the next step's agreed set: ``ceil(share k / W)`` (at least 1), with
+    ``share`` = ``agreed_share(W)`` unless given."""
+    share = agreed_share(world) if share is None else share
     return max(1, math.ceil(share * int(k) / int(world) - 1e-9))
 
 

@@ -60,9 +60,17 @@ class SparseCodec:
         self._scores: dict[str, torch.Tensor] = {}
 
     def forget_agreed(self) -> None:
-        """Drop every agreed index set (elastic reset, loaded state): the next step of each tensor draws its
-        set from the shared seed. Call it on every rank alike."""
+        """Drop every agreed index set (elastic reset): the next step of each tensor draws its set from the
+        shared seed. Call it on every rank alike."""
         self._agreed.clear()
+
+    def agreed_state(self) -> dict[str, list]:
+        """The agreed index sets (the same on every rank), as plain values for a checkpoint."""
+        return agreed.sets_to_state(self._agreed)
+
+    def load_agreed(self, state: object) -> None:
+        """Replace the agreed sets by `agreed_state()` output (checked first: ValueError, nothing changed)."""
+        self._agreed = agreed.sets_from_state(state)
 
     def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float,
                comm: Collectives) -> tuple[torch.Tensor, transport.SparseCtx, int]:
@@ -173,8 +181,8 @@ class SparseCodec:
         the host; this rank's proposals for the next step's set by allgather; the rest stays in the residual."""
         numel, world = grad.numel(), comm.size()
         have = self._agreed.pop(key, None)
-        if have is not None and (have.step, have.k, have.numel, have.idx.device) == (rec.step, k, numel, grad.device):
-            idx, hashes = have.idx, have.hashes
+        if have is not None and (have.step, have.k, have.numel) == (rec.step, k, numel):
+            idx, hashes = have.idx.to(grad.device), have.hashes  # a loaded set comes on the CPU
         else:
             idx = agreed.bootstrap(numel, k, seed, grad.device)
             hashes = agreed.fingerprint(key, rec.step, "seed", idx)

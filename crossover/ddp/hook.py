@@ -260,6 +260,7 @@ class _SparseEngine(_CodecEngine):
                                        rank=self.comm.rank,
                                        transport=None if self.codec.selector.shared_indices else transport)
         self.compressor = compressor
+        self._rebuilds_seen = 0
 
     def _begin_step(self) -> None:
         self.driver.begin_step(self.clock())
@@ -271,6 +272,9 @@ class _SparseEngine(_CodecEngine):
         return self.driver.skips_all()
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        if self.layouts.rebuilds != self._rebuilds_seen:  # DDP regrouped its buckets: their agreed sets are moot
+            self._rebuilds_seen = self.layouts.rebuilds
+            self.codec.forget_agreed()
         return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm)
 
     def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
@@ -278,6 +282,8 @@ class _SparseEngine(_CodecEngine):
         return out, stats.tolist()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # Agreed index sets are made per bucket and a restarted DDP groups its buckets anew: they are not
+        # checkpointed; each bucket's next set is drawn from the shared seed, on every rank alike.
         super().load_state_dict(state)
         self.codec.seed = self.driver.seed
         self.codec.forget_agreed()
