@@ -32,7 +32,7 @@ def job_exact(steps: int) -> dict:
     import torch.distributed as dist
 
     d = DDP(_model(), bucket_cap_mb=0.05)
-    st = AdaptiveState(policy="static", compressor="topk", cf=20, transport="agreed", min_compress_numel=1024)
+    st = AdaptiveState(policy="static", compressor="topk", cf=200, transport="agreed", min_compress_numel=1024)
     seen: dict[int, dict] = {}
 
     engine = st._engine
@@ -63,7 +63,7 @@ def job_exact(steps: int) -> dict:
             # ReLU leaves exact zeros in acc outside the set too: the ranks' non-zero sends must fit one set of k
             masks = [torch.zeros_like(sent_at, dtype=torch.int32) for _ in range(dist.get_world_size())]
             dist.all_gather(masks, (sent_at & (acc != 0)).to(torch.int32))
-            same &= int((sum(masks) > 0).sum()) <= -(-acc.numel() // 20)
+            same &= int((sum(masks) > 0).sum()) <= -(-acc.numel() // 200)
             # the bucket's averaged gradient as DDP hands it back: the codec's reused output for this key
             out = engine.codec._outputs[s["key"]]
             worst = max(worst, float((total / dist.get_world_size() - out).abs().max() / total.abs().max()))

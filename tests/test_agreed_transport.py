@@ -43,7 +43,7 @@ def _exchange(codecs, group, grads, plan, op="average", key="w"):
 @pytest.mark.parametrize("op", ["average", "sum"])
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_average_is_exactly_what_ranks_sent_and_residuals_are_exact(op, world):
-    n, cf = 40_000, 50.0
+    n, cf = 40_000, 200.0
     k = k_for(n, cf)
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk") for _ in range(world)]
@@ -74,7 +74,7 @@ def test_average_is_exactly_what_ranks_sent_and_residuals_are_exact(op, world):
 
 
 def test_first_set_is_drawn_from_the_shared_seed_and_later_ones_follow_the_proposals():
-    world, n, cf = 3, 20_000, 20.0
+    world, n, cf = 3, 20_000, 200.0
     k = k_for(n, cf)
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk", seed=7) for _ in range(world)]
@@ -105,10 +105,10 @@ def test_ranks_that_disagree_on_the_set_fail_on_every_rank():
     world, n = 3, 20_000
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk") for _ in range(world)]
-    _exchange(codecs, group, _grads(world, 1, n), _Plan(1, 20.0))
+    _exchange(codecs, group, _grads(world, 1, n), _Plan(1, 200.0))
     codecs[2].forget_agreed()  # one rank lost its state (a reset on that rank only)
     grads = _grads(world, 2, n)
-    enc = [c.encode("w", g, _Plan(2, 20.0), 0.0, group.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, grads))]
+    enc = [c.encode("w", g, _Plan(2, 200.0), 0.0, group.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, grads))]
     reduced = torch.stack([e[0] for e in enc]).mean(0)
     for r, c in enumerate(codecs):
         with pytest.raises(RuntimeError, match="different agreed index sets"):
@@ -126,7 +126,7 @@ def test_checks_agree_tells_equal_from_unequal_fingerprints():
 
 
 def test_a_non_finite_step_is_undone_and_the_next_set_drawn_afresh():
-    world, n, cf = 2, 20_000, 20.0
+    world, n, cf = 2, 20_000, 200.0
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk") for _ in range(world)]
     _exchange(codecs, group, _grads(world, 1, n), _Plan(1, cf))
@@ -164,7 +164,7 @@ def test_merge_proposals_ranks_by_position_rotates_ties_and_fills_from_the_seed(
 def test_proposals_are_the_exact_largest(n, world):
     score = torch.randn(n, generator=torch.Generator().manual_seed(n + world)) ** 3
     got = agreed.propose(score, n // 100, world)
-    m = cm.agreed_proposals(n // 100, world)
+    m = cm.agreed_proposals(n // 100, n, world)
     assert got.dtype == torch.int32 and got.numel() == m
     want = torch.topk(score.abs(), m).values
     torch.testing.assert_close(score.abs()[got.long()], want)
@@ -184,7 +184,7 @@ def test_the_cost_model_counts_what_the_codec_hands_over(kind, world):
     gathered = sent - 4 * payload.numel()
     if kind == cm.AGREED:
         assert payload.numel() == k + cm.AGREED_CHECK + nstats
-        assert gathered == 4 * cm.agreed_proposals(k, world)
+        assert gathered == 4 * cm.agreed_proposals(k, n, world) > 0
     else:
         assert payload.numel() == nstats
         assert gathered == cm.PAIR_BYTES * k + cm.GATHER_HEADER_BYTES
@@ -207,7 +207,7 @@ def test_random_k_and_plans_without_agreed_keep_their_transport():
 
 
 def test_agreed_sets_round_trip_through_a_checkpoint_and_bad_ones_are_refused():
-    world, n, cf = 2, 20_000, 20.0
+    world, n, cf = 2, 20_000, 200.0
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk") for _ in range(world)]
     _exchange(codecs, group, _grads(world, 1, n), _Plan(1, cf))
@@ -226,3 +226,20 @@ def test_agreed_sets_round_trip_through_a_checkpoint_and_bad_ones_are_refused():
         with pytest.raises(ValueError):
             fresh[0].load_agreed(bad)
     assert fresh[0].agreed_state() == before  # the failed loads changed nothing
+
+
+def test_a_set_of_more_than_one_percent_takes_no_proposals_and_is_random_k():
+    """CF 10: the set of every step is the one random-k draws from the step's seed; nothing is gathered."""
+    world, n, cf = 3, 20_000, 10.0
+    group = SimulatedGroup(world)
+    codecs = [SparseCodec("topk", seed=3) for _ in range(world)]
+    randomk = SparseCodec("randomk", seed=3)
+    for step in range(1, 4):
+        grads = _grads(world, step, n)
+        enc, _ = _exchange(codecs, group, grads, _Plan(step, cf))
+        assert enc[0][1].handle is None and enc[0][2] == 4 * enc[0][0].numel()  # no allgather
+        sel = randomk.selector.select("w", grads[0].clone(), None, cf, shared_seed(3, step, "w"))
+        assert torch.equal(enc[0][1].idx, sel.idx)
+        assert codecs[0].agreed_state() == {}
+    assert cm.agreed_share(2_000, 20_000, 8) == 0.0 and cm.agreed_share(200, 20_000, 8) == 0.125
+    assert cm.agreed_share(200, 20_000, 2) == 0.5 and cm.agreed_proposals(2_000, 20_000, 8) == 0

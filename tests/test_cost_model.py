@@ -73,7 +73,7 @@ def test_choose_transport():
     assert cm.choose_transport(1000, 10, 2, True, agreed=True) == cm.ALLREDUCE  # shared indices: always allreduce
     assert cm.choose_transport(1000, 200, 8, False) == cm.DENSE  # the allgather would send more than dense
     assert cm.choose_transport(1000, 200, 8, False, agreed=True) == cm.AGREED  # ... the agreed set does not
-    assert cm.choose_transport(1000, 900, 8, False, agreed=True) == cm.DENSE
+    assert cm.choose_transport(1000, 998, 8, False, agreed=True) == cm.DENSE  # k + check floats > n
     with pytest.raises(ValueError):
         cm.choose_transport(0, 1, 2, False)
 

@@ -6,10 +6,11 @@ whose bytes per worker do not grow with W. The agreed set makes top-k indices sh
 
 * at step t each rank sends the values of its accumulator (gradient + residual) at the set agreed for t,
   summed by the host's allreduce; everything else stays in its residual (error feedback);
-* in the same step each rank proposes ``m = ceil(s k / W)`` indices for step t+1, ``s = min(1/2, 1/sqrt(2W))``
+* in the same step each rank proposes ``m = ceil(s k / W)`` indices for step t+1, ``s = min(1/2, 1/W)``
   (`cost_model.agreed_share`): the largest entries of its prediction of the next accumulator (its residual after
   this send + this step's gradient), in descending order; the proposals travel by one allgather of m int32 per
-  rank (at most 2 k bytes per worker);
+  rank (at most 2 k bytes per worker, 4 k / W beyond 2 ranks). A set of more than 1 % of the tensor (CF < 100)
+  takes no proposals (s = 0): it is drawn from the shared seed, random-k's indices, and nothing is gathered;
 * every rank merges the same gathered proposals the same way (`merge_proposals`): the union, ranked by
   position in the proposing rank's list (ties between ranks broken by a rotation that changes every step),
   cut to k, and filled up to k with indices drawn from the shared seed. So every rank holds the same set for
@@ -89,15 +90,17 @@ def bootstrap(numel: int, k: int, seed: int, device: torch.device) -> torch.Tens
 
 
 def propose(score: torch.Tensor, k: int, world: int, share: float | None = None) -> torch.Tensor:
-    """This rank's ``ceil(share k / W)`` proposals (``share``: ``cost_model.agreed_share(W)`` unless given): indices
-    of the largest |score|, largest first (int32).
+    """This rank's ``ceil(share k / W)`` proposals (``share``: ``cost_model.agreed_share`` unless given): indices
+    of the largest |score|, largest first (int32; empty when the share is 0).
 
     A threshold from a strided sample keeps about ``PROPOSAL_SLACK`` times too many in one pass (the C
     kernel), then an exact top among those few; a sample that set the threshold too high falls back to
     an exact top-k over the whole tensor (slower, same result).
     """
     n = score.numel()
-    m = min(n, agreed_proposals(k, world, share))
+    m = min(n, agreed_proposals(k, n, world, share))
+    if m == 0:
+        return torch.empty(0, dtype=torch.int32, device=score.device)
     ns = min(n, max(SAMPLE_MIN, n // 1000))
     keep = max(PROPOSAL_SLACK * m, SAMPLE_HITS * n // ns)  # elements the threshold should keep
     if 4 * keep < n:

@@ -15,7 +15,8 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
-  allgather of each rank's ``ceil(k / (W sqrt(2W)))`` index proposals for the next step (``agreed.py``).
+  allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while k <= 1 % of n
+  (``agreed_share``, ``agreed.py``).
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
 index + an fp32 value (8 bytes). ``FP16`` (Horovod's own cast) and three schemes from the literature that the
@@ -30,9 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["AGREED", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE", "FP16", "GTOPK", "Link",
-           "MODELLED", "OKTOPK", "POWERSGD", "agreed_proposals", "agreed_share", "allgather_bytes", "allreduce_bytes",
-           "choose_transport", "ring_allgather", "ring_allreduce", "transport_cost"]
+__all__ = ["AGREED", "AGREED_PROPOSAL_DENSITY", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
+           "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "agreed_proposals", "agreed_share",
+           "allgather_bytes", "allreduce_bytes", "choose_transport", "ring_allgather", "ring_allreduce",
+           "transport_cost"]
 
 DENSE = "dense"  # allreduce of the whole (error-compensated) tensor
 ALLREDUCE = "allreduce"  # allreduce of values at indices every rank shares
@@ -52,13 +54,20 @@ VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
 GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
 AGREED_CHECK = 4  # floats after the agreed values: two hashes of the index set and their squares
-#: Share of an agreed set that the ranks' proposals fill at most, 1 / sqrt(2 W) (the shared seed draws the rest):
-#: on the digits MLP it measured best of 1, 1/2 and 1/4 at both 2 ranks (1/2) and 8 (1/4); proposals alone lost
-#: even to random-k at 8 ranks, each rank's own top entries being noisier the more ranks share the set
-#: (docs/transport-study.md).
-def agreed_share(world: int) -> float:
-    """Share of an agreed set filled by proposals at ``world`` ranks: min(1/2, 1 / sqrt(2 W))."""
-    return min(0.5, 1.0 / math.sqrt(2.0 * max(1, int(world))))
+#: Proposals fill an agreed set only while it holds at most this share of the tensor (CF >= 100): at CF 10 on the
+#: digits MLP at 8 ranks any share of proposals (2.5 % to 25 % of the set) lost 3 to 11 points to a set drawn
+#: from the seed alone, at CF 100 they gained 1 (docs/transport-study.md).
+AGREED_PROPOSAL_DENSITY = 0.01
+
+
+def agreed_share(k: int, numel: int, world: int) -> float:
+    """Share of an agreed set of k of ``numel`` elements filled by the ranks' proposals at ``world`` ranks (the
+    shared seed draws the rest): min(1/2, 1/W) while k <= AGREED_PROPOSAL_DENSITY numel, else 0 (a random-k set).
+    1/W measured best of 1, 1/2, 1/4 and 1/8 at 2, 4 and 8 ranks at CF 100 (docs/transport-study.md): each rank's
+    own top entries are noisier the more ranks share the set."""
+    if int(k) > AGREED_PROPOSAL_DENSITY * int(numel):
+        return 0.0
+    return min(0.5, 1.0 / max(1, int(world)))
 
 
 @dataclass(frozen=True)
@@ -121,11 +130,11 @@ def allgather_bytes(elements: int, world_size: int, width: int = PAIR_BYTES) -> 
     return ring_allgather(float(elements) * width, world_size).bytes
 
 
-def agreed_proposals(k: int, world: int, share: float | None = None) -> int:
-    """Index proposals each rank sends for the next step's agreed set: ``ceil(share k / W)`` (at least 1), with
-    ``share`` = ``agreed_share(W)`` unless given."""
-    share = agreed_share(world) if share is None else share
-    return max(1, math.ceil(share * int(k) / int(world) - 1e-9))
+def agreed_proposals(k: int, numel: int, world: int, share: float | None = None) -> int:
+    """Index proposals each rank sends for the next step's agreed set of k of ``numel`` elements:
+    ``ceil(share k / W)``, ``share`` = ``agreed_share(k, numel, W)`` unless given; 0 when the share is 0."""
+    share = agreed_share(k, numel, world) if share is None else share
+    return math.ceil(share * int(k) / int(world) - 1e-9) if share > 0 else 0
 
 
 def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -> Cost:
@@ -143,8 +152,9 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
     if kind == ALLGATHER:
         return ring_allgather(PAIR_BYTES * k + GATHER_HEADER_BYTES, world) + ring_allreduce(4.0 * nstats, world)
     if kind == AGREED:
-        return (ring_allreduce(4.0 * (k + AGREED_CHECK + nstats), world)
-                + ring_allgather(INDEX_BYTES * agreed_proposals(k, world), world))
+        values = ring_allreduce(4.0 * (k + AGREED_CHECK + nstats), world)
+        m = agreed_proposals(k, numel, world)
+        return values + ring_allgather(INDEX_BYTES * m, world) if m else values
     levels = math.log2(world) if world > 1 else 0.0
     if kind == GTOPK:  # up a binary tree merging k pairs per round, then the global top-k back down
         return Cost(2.0 * levels * PAIR_BYTES * k, 2.0 * levels)

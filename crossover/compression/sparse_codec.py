@@ -214,7 +214,7 @@ class SparseCodec:
     def _receive_agreed(self, reduced: torch.Tensor, ctx: transport.SparseCtx, comm: Collectives,
                         stats: torch.Tensor) -> None:
         """Check that every rank sent values at the same set, and agree on the next step's set."""
-        gathered = comm.wait(ctx.handle)  # always: the collective completes on every rank
+        gathered = comm.wait(ctx.handle) if ctx.handle is not None else None  # always: it completes everywhere
         world = comm.size()
         one = float(stats[0])  # the factor the host applied to sums, times world
         if not (math.isfinite(one) and one > 0 and bool(torch.isfinite(stats).all())):
@@ -225,6 +225,8 @@ class SparseCodec:
             raise RuntimeError(f"crossover compression: the ranks sent the values of {ctx.key!r} at different "
                                "agreed index sets (their compression state differs: call reset() or "
                                "load_state_dict() on every rank alike)")
+        if gathered is None:  # no proposals (a dense set): the next step draws its set from the seed
+            return
         nxt = ctx.step + 1
         idx = self._next_set(gathered.reshape(-1), world, ctx, shared_seed(self.seed, nxt, ctx.key) ^ _FILL_SEED)
         self._agreed[ctx.key] = agreed.AgreedSet(nxt, ctx.k, ctx.numel, idx,

@@ -65,8 +65,9 @@ def send_shared(sel: Selection, stats: torch.Tensor) -> torch.Tensor:
 def send_agreed(val: torch.Tensor, check: torch.Tensor, stats: torch.Tensor, comm: Collectives, name: str,
                 proposals: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """Values at the agreed indices, the set's check floats and the statistics, summed by the host; this
-    rank's index proposals for the next step by allgather (equal sizes on every rank)."""
-    return torch.cat([val, check, stats]), comm.allgather_async(proposals, name)
+    rank's index proposals for the next step by allgather (equal sizes on every rank; none: no allgather)."""
+    handle = comm.allgather_async(proposals, name) if proposals.numel() else None
+    return torch.cat([val, check, stats]), handle
 
 
 HEADER_ROWS = 2  # per rank, before its pairs: (count, numel), (shape hash, ndim)
