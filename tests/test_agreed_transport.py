@@ -243,3 +243,4 @@ def test_a_set_of_more_than_one_percent_takes_no_proposals_and_is_random_k():
         assert codecs[0].agreed_state() == {}
     assert cm.agreed_share(2_000, 20_000, 8) == 0.0 and cm.agreed_share(200, 20_000, 8) == 0.125
     assert cm.agreed_share(200, 20_000, 2) == 0.5 and cm.agreed_proposals(2_000, 20_000, 8) == 0
+    assert cm.agreed_share(k_for(1_048_576, 100.0), 1_048_576, 4) == 0.25  # CF 100 exactly: ceil(n / 100)

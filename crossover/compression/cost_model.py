@@ -65,7 +65,7 @@ def agreed_share(k: int, numel: int, world: int) -> float:
     shared seed draws the rest): min(1/2, 1/W) while k <= AGREED_PROPOSAL_DENSITY numel, else 0 (a random-k set).
     1/W measured best of 1, 1/2, 1/4 and 1/8 at 2, 4 and 8 ranks at CF 100 (docs/transport-study.md): each rank's
     own top entries are noisier the more ranks share the set."""
-    if int(k) > AGREED_PROPOSAL_DENSITY * int(numel):
+    if int(k) > math.ceil(AGREED_PROPOSAL_DENSITY * int(numel)):  # ceil: CF 100 keeps k = ceil(n / 100)
         return 0.0
     return min(0.5, 1.0 / max(1, int(world)))
 
