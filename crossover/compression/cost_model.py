@@ -15,7 +15,7 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
-  allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while k <= 1 % of n
+  allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 4
   (``agreed_share``, ``agreed.py``).
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["AGREED", "AGREED_PROPOSAL_DENSITY", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
+__all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "agreed_proposals", "agreed_share",
            "allgather_bytes", "allreduce_bytes", "choose_transport", "ring_allgather", "ring_allreduce",
            "transport_cost"]
@@ -54,20 +54,21 @@ VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
 GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
 AGREED_CHECK = 4  # floats after the agreed values: two hashes of the index set and their squares
-#: Proposals fill an agreed set only while it holds at most this share of the tensor (CF >= 100): at CF 10 on the
-#: digits MLP at 8 ranks any share of proposals (2.5 % to 25 % of the set) lost 3 to 11 points to a set drawn
-#: from the seed alone, at CF 100 they gained 1 (docs/transport-study.md).
-AGREED_PROPOSAL_DENSITY = 0.01
+#: Proposals fill an agreed set only while W k is at most this share of the tensor (CF >= 4 W): on the digits MLP
+#: they gained 3.5 points at CF 10 on 2 ranks (W k = n / 5) and about 1 at CF 100 on 2 to 8 ranks, and lost 2 to
+#: 11 points at CF 10 on 8 ranks (W k = 0.8 n) with any share from 1/40 to 1/4 (docs/transport-study.md).
+AGREED_PROPOSAL_COVER = 0.25
 
 
 def agreed_share(k: int, numel: int, world: int) -> float:
     """Share of an agreed set of k of ``numel`` elements filled by the ranks' proposals at ``world`` ranks (the
-    shared seed draws the rest): min(1/2, 1/W) while k <= AGREED_PROPOSAL_DENSITY numel, else 0 (a random-k set).
-    1/W measured best of 1, 1/2, 1/4 and 1/8 at 2, 4 and 8 ranks at CF 100 (docs/transport-study.md): each rank's
-    own top entries are noisier the more ranks share the set."""
-    if int(k) > math.ceil(AGREED_PROPOSAL_DENSITY * int(numel)):  # ceil: CF 100 keeps k = ceil(n / 100)
+    shared seed draws the rest): min(1/2, 1/W) while W k <= AGREED_PROPOSAL_COVER numel, else 0 (a random-k set).
+    1/W measured best of 1/2, 1/4 and 1/8 at 2, 4 and 8 ranks at CF 100 within a seed's spread
+    (docs/transport-study.md): each rank's own top entries are noisier the more ranks share the set."""
+    w = max(1, int(world))
+    if w * int(k) > AGREED_PROPOSAL_COVER * int(numel) + w:  # + W: CF 4 W exactly keeps k = ceil(n / 4W)
         return 0.0
-    return min(0.5, 1.0 / max(1, int(world)))
+    return min(0.5, 1.0 / w)
 
 
 @dataclass(frozen=True)
