@@ -229,8 +229,8 @@ def test_agreed_sets_round_trip_through_a_checkpoint_and_bad_ones_are_refused():
 
 
 def test_a_set_that_ranks_would_cover_takes_no_proposals_and_is_random_k():
-    """W k > n / 4 (CF 10 on 3 ranks): the set of every step is random-k's from the step's seed; nothing gathered."""
-    world, n, cf = 3, 20_000, 10.0
+    """W k > n / 2 (CF 4 on 3 ranks): the set of every step is random-k's from the step's seed; nothing gathered."""
+    world, n, cf = 3, 20_000, 4.0
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk", seed=3) for _ in range(world)]
     randomk = SparseCodec("randomk", seed=3)
@@ -242,5 +242,5 @@ def test_a_set_that_ranks_would_cover_takes_no_proposals_and_is_random_k():
         assert torch.equal(enc[0][1].idx, sel.idx)
         assert codecs[0].agreed_state() == {}
     assert cm.agreed_share(2_000, 20_000, 8) == 0.0 and cm.agreed_share(200, 20_000, 8) == 0.125
-    assert cm.agreed_share(2_000, 20_000, 2) == 0.5 and cm.agreed_proposals(2_000, 20_000, 8) == 0
-    assert cm.agreed_share(k_for(1_048_576, 32.0), 1_048_576, 8) == 0.125  # CF 4 W exactly: ceil(n / 4W)
+    assert cm.agreed_share(2_000, 20_000, 4) == 0.25 and cm.agreed_proposals(2_000, 20_000, 8) == 0
+    assert cm.agreed_share(k_for(1_048_576, 16.0), 1_048_576, 8) == 0.125  # CF 2 W exactly: ceil(n / 2W)

@@ -9,9 +9,9 @@ whose bytes per worker do not grow with W. The agreed set makes top-k indices sh
 * in the same step each rank proposes ``m = ceil(s k / W)`` indices for step t+1, ``s = min(1/2, 1/W)``
   (`cost_model.agreed_share`): the largest entries of its prediction of the next accumulator (its residual after
   this send + this step's gradient), in descending order; the proposals travel by one allgather of m int32 per
-  rank (at most 2 k bytes per worker, 4 k / W beyond 2 ranks). While W k exceeds a quarter of the tensor
-  (CF < 4 W) the set takes no proposals (s = 0): it is drawn from the shared seed, random-k's indices, and
-  nothing is gathered;
+  rank (at most 2 k bytes per worker, 4 k / W beyond 2 ranks). While W k exceeds half the tensor (CF < 2 W)
+  the set takes no proposals (s = 0): it is drawn from the shared seed, random-k's indices, and nothing is
+  gathered;
 * every rank merges the same gathered proposals the same way (`merge_proposals`): the union, ranked by
   position in the proposing rank's list (ties between ranks broken by a rotation that changes every step),
   cut to k, and filled up to k with indices drawn from the shared seed. So every rank holds the same set for

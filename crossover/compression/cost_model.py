@@ -15,7 +15,7 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
-  allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 4
+  allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 2
   (``agreed_share``, ``agreed.py``).
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
@@ -54,10 +54,11 @@ VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
 GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
 AGREED_CHECK = 4  # floats after the agreed values: two hashes of the index set and their squares
-#: Proposals fill an agreed set only while W k is at most this share of the tensor (CF >= 4 W): on the digits MLP
-#: they gained 3.5 points at CF 10 on 2 ranks (W k = n / 5) and about 1 at CF 100 on 2 to 8 ranks, and lost 2 to
-#: 11 points at CF 10 on 8 ranks (W k = 0.8 n) with any share from 1/40 to 1/4 (docs/transport-study.md).
-AGREED_PROPOSAL_COVER = 0.25
+#: Proposals fill an agreed set only while W k (the elements the ranks' own top-k lists cover together) is at most
+#: this share of the tensor (CF >= 2 W): on the digits MLP they gained 3.5 and 11 points at CF 10 on 2 and 4 ranks
+#: (W k = 0.2 n, 0.4 n), about 1 at CF 100, and lost 2 to 11 at CF 10 on 8 ranks (0.8 n) with every share from
+#: 1/40 to 1/4 (docs/transport-study.md).
+AGREED_PROPOSAL_COVER = 0.5
 
 
 def agreed_share(k: int, numel: int, world: int) -> float:
@@ -66,7 +67,7 @@ def agreed_share(k: int, numel: int, world: int) -> float:
     1/W measured best of 1/2, 1/4 and 1/8 at 2, 4 and 8 ranks at CF 100 within a seed's spread
     (docs/transport-study.md): each rank's own top entries are noisier the more ranks share the set."""
     w = max(1, int(world))
-    if w * int(k) > AGREED_PROPOSAL_COVER * int(numel) + w:  # + W: CF 4 W exactly keeps k = ceil(n / 4W)
+    if w * int(k) > AGREED_PROPOSAL_COVER * int(numel) + w:  # + W: CF 2 W exactly keeps k = ceil(n / 2W)
         return 0.0
     return min(0.5, 1.0 / w)
 
