@@ -44,11 +44,13 @@ from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.selectors import make_selector
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import (
+    DEFAULT_TRANSPORT,
     CfPolicy,
     QuantStepDriver,
     SparseStepDriver,
     check_min_numel,
     check_momentum,
+    check_transport,
     dqsgd_settings,
     gravac_or_dense,
     lr_at,
@@ -310,7 +312,8 @@ class _SparseEngine(_CodecEngine):
 
     def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
                  min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
-                 clock: Callable[[], float] | None, momentum: float | None = None) -> None:
+                 clock: Callable[[], float] | None, transport: str, momentum: float | None = None) -> None:
+        check_transport(transport)
         self.momentum = check_momentum(momentum)  # a DDP hook does not see the optimizer: the user says it
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
@@ -324,8 +327,10 @@ class _SparseEngine(_CodecEngine):
         super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
         self.comm.equal_sizes = gather == "pad"
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
-                                       rank=self.comm.rank, seed_check=self.codec.seed_check)
+                                       rank=self.comm.rank, seed_check=self.codec.seed_check,
+                                       transport=None if self.codec.selector.shared_indices else transport)
         self.compressor = compressor
+        self._rebuilds_seen = 0
 
     def _begin_step(self) -> None:
         self.driver.begin_step(self.clock())
@@ -340,6 +345,9 @@ class _SparseEngine(_CodecEngine):
         return self.driver.current is not None and self.driver.current.nonfinite
 
     def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
+        if self.layouts.rebuilds != self._rebuilds_seen:  # DDP regrouped its buckets: their agreed sets are moot
+            self._rebuilds_seen = self.layouts.rebuilds
+            self.codec.forget_agreed()
         return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm,
                                  momentum=self.momentum or 0.0)
 
@@ -348,8 +356,15 @@ class _SparseEngine(_CodecEngine):
         return out, stats.tolist()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # Agreed index sets are made per bucket and a restarted DDP groups its buckets anew: they are not
+        # checkpointed; each bucket's next set is drawn from the shared seed, on every rank alike.
         super().load_state_dict(state)
         self.codec.seed = self.driver.seed
+        self.codec.forget_agreed()
+
+    def reset(self) -> None:
+        super().reset()
+        self.codec.forget_agreed()
 
 
 class _QuantEngine(_CodecEngine):
@@ -438,7 +453,7 @@ class _Fp16Engine(_Engine):
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
-                  momentum: float | None = None, **gravac: Any) -> _Engine:
+                  momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, **gravac: Any) -> _Engine:
     make_selector(compressor)  # ValueError naming the known compressors
     try:
         policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
@@ -450,16 +465,17 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
                  "(docs/accuracy.md)")
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock, momentum=momentum)
+                         clock=clock, transport=transport, momentum=momentum)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
-                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None) -> _Engine:
+                  log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
+                  transport: str = "allgather") -> _Engine:
     make_selector(compressor)
     return _SparseEngine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock)
+                         clock=clock, transport=transport)
 
 
 def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
@@ -511,8 +527,12 @@ class AdaptiveState:
       ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
       difference between two step starts; a clock that stops while the process does other work between
       steps, such as evaluation, keeps that work out of the throughput GraVAC compares), ``momentum`` (your
-      optimizer's SGD momentum: a DDP hook cannot read it, and the policy caps the compression by it).
-    * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings.
+      optimizer's SGD momentum: a DDP hook cannot read it, and the policy caps the compression by it),
+      ``transport`` (rank-specific compressors: "allgather", the default, each rank's own pairs; opt-in
+      "agreed", values at an index set agreed the step before, or "auto", the cheaper of the two by the cost
+      model and measured step times; docs/scaling.md).
+    * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings
+      (``transport`` defaults to "allgather" there too).
     * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
       number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,
       ``target_bits``, ``b_min``, ``b_max``, ``decay``, ``error_feedback``, ``min_compress_numel``,
