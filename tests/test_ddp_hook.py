@@ -558,9 +558,9 @@ def job_gloo_one_gpu(steps: int, only: list[str] | None = None, gloo_cuda_sync: 
     with CUDA tensors off (scripts/gpu_check.py's diagnosis)."""
     import torch.distributed as dist
 
-    from crossover.ddp import hook
+    from crossover.ddp import _engine
 
-    hook.GLOO_CUDA_SYNC = gloo_cuda_sync
+    _engine.GLOO_CUDA_SYNC = gloo_cuda_sync
     dev = torch.device("cuda", 0)
     base = _mlp().to(dev)
     plain = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)
