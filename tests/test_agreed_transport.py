@@ -244,3 +244,26 @@ def test_a_set_that_ranks_would_cover_takes_no_proposals_and_is_random_k():
     assert cm.agreed_share(2_000, 20_000, 8) == 0.0 and cm.agreed_share(200, 20_000, 8) == 0.125
     assert cm.agreed_share(2_000, 20_000, 4) == 0.25 and cm.agreed_proposals(2_000, 20_000, 8) == 0
     assert cm.agreed_share(k_for(1_048_576, 16.0), 1_048_576, 8) == 0.125  # CF 2 W exactly: ceil(n / 2W)
+
+
+@pytest.mark.parametrize("transport", [cm.AGREED, cm.ALLGATHER])
+def test_agreed_statistics_carry_the_momentum_like_the_allgather(transport):
+    """The agreed payload's statistics follow SparseStatsLayout as every other path's: the optimizer's momentum in
+    its slot (averaged over ranks, so every rank's policy caps the CF alike) and the same length."""
+    world, n, cf = 3, 40_000, 100.0
+    group = SimulatedGroup(world)
+    codecs = [SparseCodec("topk") for _ in range(world)]
+    layout = SparseStatsLayout(1)
+    grads = _grads(world, 1, n)
+    enc = [c.encode("w", g, _Plan(1, cf, transport), 0.01, group.rank_view(r), momentum=0.9)
+           for r, (c, g) in enumerate(zip(codecs, grads))]
+    assert {e[1].kind for e in enc} == {"agreed" if transport == cm.AGREED else "ag"}
+    assert all(e[1].nstats == layout.length for e in enc)
+    if transport == cm.AGREED:
+        total = torch.stack([e[0] for e in enc]).sum(0) / world
+        stats = [c.decode(total.clone(), e[1], group.rank_view(r))[1] for r, (c, e) in enumerate(zip(codecs, enc))]
+    else:
+        stats = [torch.stack([e[0] for e in enc]).sum(0) / world]
+    for s in stats:
+        assert s.numel() == layout.length
+        assert float(s[layout.MOMENTUM]) == pytest.approx(0.9, rel=1e-6)

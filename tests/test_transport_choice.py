@@ -190,3 +190,22 @@ def test_adaptive_objects_default_to_the_allgather_and_check_transport():
                 make(transport=bad)
     # a shared-index compressor always allreduces: the driver has no transport, whatever was asked
     assert AdaptiveCompression("randomk", transport="auto").driver.transport is None
+
+
+def test_states_saved_before_the_transport_fields_still_load():
+    """A driver state saved before the transport choice (its step records without transport/transport_bytes, no
+    "transport" entry) loads, strictly otherwise; a default driver's state has no "transport" entry."""
+    drv = SparseStepDriver(GravacPolicy(cf_min=10.0, cf_max=100.0, window=4), compressor="topk", seed=0)
+    for step in range(3):
+        drv.begin_step(float(step))
+    state = json.loads(json.dumps(drv.state_dict()))
+    assert "transport" not in state and state["current"]["transport"] is None
+    for rec in ("current", "pending"):
+        if state[rec] is not None:
+            del state[rec]["transport"], state[rec]["transport_bytes"]
+    for transport in (None, "allgather", "auto"):
+        SparseStepDriver(GravacPolicy(cf_min=10.0, cf_max=100.0, window=4), compressor="topk", seed=0,
+                         transport=transport).load_state_dict(state)
+    del state["step"]
+    with pytest.raises(ValueError, match="missing field"):
+        drv.load_state_dict(state)
