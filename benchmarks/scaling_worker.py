@@ -22,6 +22,7 @@ import torch
 
 from crossover.compression import cost_model as cm
 from crossover.compression.selectors import k_for
+from crossover.compression.wire import SparseStatsLayout
 
 __all__ = ["main"]
 
@@ -63,10 +64,10 @@ def _predicted(method: str, comp: Any, params: list[torch.nn.Parameter], world: 
     out = cm.ring_allreduce(4.0 * small, world).bytes
     rec = comp.driver.current
     if rec.sent_cf <= 1.0:  # dense step of the adaptive policy: every tensor plus its statistics when measured
-        nstats = 6 if rec.measure or rec.probes else 0
+        nstats = SparseStatsLayout(len(rec.probes)).length if rec.measure or rec.probes else 0
         return out + sum(cm.ring_allreduce(4.0 * (n + nstats), world).bytes for n in large)
     if method == "randomk":
-        nstats = 8
+        nstats = SparseStatsLayout(len(rec.probes), seed_check=True).length
         return out + sum(cm.transport_cost(cm.ALLREDUCE, n, k_for(n, rec.sent_cf), world, nstats).bytes
                          for n in large)
     return out + rec.transport_bytes[rec.transport or cm.ALLGATHER]
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     params = list(model.parameters())
     comp = _compression(cfg["method"], cfg["cf"], cfg["min_numel"])
+    if getattr(comp, "driver", None) is not None:
+        comp.driver.collect_costs = True  # every step records the cost model's bytes (`_predicted`)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9),
                                    named_parameters=list(model.named_parameters()), compression=comp)
     hvd.allreduce(torch.zeros(1), name="scaling.ready")

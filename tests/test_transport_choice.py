@@ -11,6 +11,7 @@ import torch
 from crossover.adaptive.gravac import GravacPolicy
 from crossover.adaptive.gravac.transport_choice import CfState, TransportChoice
 from crossover.adaptive.gravac.tunables import TRANSPORT_SKIP, TRANSPORT_WINDOW
+from crossover.adaptive.static import StaticPolicy
 from crossover.compression import cost_model as cm
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.sparse_codec import SparseCodec
@@ -99,6 +100,7 @@ class _Rank:
         self.comm = group.rank_view(rank)
         policy = GravacPolicy(cf_min=10.0, cf_max=100.0, window=4, omega=0.1)
         self.driver = SparseStepDriver(policy, compressor="topk", seed=0, transport=transport)
+        self.driver.collect_costs = True  # the simulated step times below read every step's predicted bytes
         self.codec = SparseCodec("topk", seed=0, grad_norms=True)
 
 
@@ -209,3 +211,16 @@ def test_states_saved_before_the_transport_fields_still_load():
     del state["step"]
     with pytest.raises(ValueError, match="missing field"):
         drv.load_state_dict(state)
+
+
+@pytest.mark.parametrize("transport", [None, "allgather", "agreed", "auto"])
+def test_only_the_transport_choice_makes_the_codec_price_transports(transport):
+    """The cost model's bytes per transport (about 10 us of arithmetic per compressed tensor) are computed only
+    where something reads them: transport="auto", or a driver told to collect them (benchmarks)."""
+    group = SimulatedGroup(1)
+    drv = SparseStepDriver(StaticPolicy(cf=10.0), compressor="topk", seed=0, transport=transport)
+    codec = SparseCodec("topk")
+    drv.begin_step(0.0)
+    codec.encode("w", torch.randn(30_000), drv.current, 0.0, group.rank_view(0))
+    assert bool(drv.current.transport_bytes) == (transport == "auto")
+    assert "wants_costs" not in drv.current.to_dict()

@@ -37,7 +37,8 @@ class StepPlan(Protocol):
     sent_cf: float  # the CF to send (1 = dense)
     probes: tuple[float, ...]  # the CFs whose norms to measure
     # optional ``transport``: cost_model.AGREED sends rank-specific selections at the agreed index set;
-    # optional ``note_costs(costs)``: told each compressed tensor's bytes per worker per candidate transport
+    # optional ``note_costs(costs)``: told each compressed tensor's bytes per worker per candidate transport, when
+    # the optional ``wants_costs`` is true
 
 
 class SparseCodec:
@@ -102,7 +103,8 @@ class SparseCodec:
         # the agreed set holds k indices of the CF sent: it serves plans that send their lowest level
         agreed_ok = getattr(rec, "transport", None) == cost_model.AGREED and send_cf > 1 and send_cf == levels[0]
         kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices, agreed_ok)
-        note = getattr(rec, "note_costs", None)  # the step driver's record collects the cost model's bytes
+        # the step driver's record collects the cost model's bytes where something reads them
+        note = getattr(rec, "note_costs", None) if getattr(rec, "wants_costs", False) else None
         if note is not None and send_cf > 1 and not self.selector.shared_indices:
             note(_candidate_costs(numel, k, comm.size(), SparseStatsLayout(len(rec.probes), self.seed_check).length))
         if kind == cost_model.AGREED:

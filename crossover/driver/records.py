@@ -6,7 +6,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from crossover.adaptive.gravac import StepStats
 from crossover.compression.wire import STAT_MAX, SparseStatsLayout
@@ -39,6 +39,9 @@ class StepRecord:
     # the cost model's bytes per worker of this step's compressed tensors, per candidate transport (same on every
     # rank: tensor sizes, k and world size), as the codec reports them (`note_costs`)
     transport_bytes: dict[str, float] = field(default_factory=dict)
+    # whether the codec reports those bytes (`note_costs`): the driver turns it on where they are read (the transport
+    # choice, a benchmark); not saved, and off by default: the arithmetic costs about 10 us per compressed tensor
+    wants_costs: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         n = len(self.probes)

@@ -86,6 +86,7 @@ class SparseStepDriver:
         omega = config.get("omega", T.OMEGA) if isinstance(config, Mapping) else T.OMEGA
         self.transports = TransportChoice((cost_model.AGREED, cost_model.ALLGATHER), omega=omega) \
             if transport == "auto" else None
+        self.collect_costs = False  # True: every step records the cost model's bytes per transport (benchmarks)
         self.compressor = compressor
         self.seed = check_seed(seed)
         self.log = StepLog(log_csv, rank)
@@ -122,6 +123,8 @@ class SparseStepDriver:
         self.current = StepRecord(step=self.step, sent_cf=float(plan.send_cf),
                                   probes=tuple(float(p) for p in plan.probe_cfs),
                                   measure=plan.measure, transport=self._transport_for(float(plan.send_cf)))
+        if self.transports is not None or self.collect_costs:
+            self.current.wants_costs = True
         if self.tensorboard is not None:
             self._tb_step(finished, self.last_step_time, float(plan.send_cf))
         return self.current
