@@ -280,8 +280,9 @@ class SparseStepDriver:
         gain = gains.get(cf, 1.0 if cf == 1.0 else None)
         out = {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
                "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
-               "saturated_steps": self.saturated_steps, "compressor": self.compressor,
-               "transport": self.current.transport if self.current is not None else None}
+               "saturated_steps": self.saturated_steps, "compressor": self.compressor}
+        if self.transport is not None:  # a rank-specific selector's transport= (not random-k, not the TF glue)
+            out["transport"] = self.current.transport if self.current is not None else None
         return flat_stats(out, policy=summary,
                           transport_choice=self.transports.summary() if self.transports is not None else None)
 
