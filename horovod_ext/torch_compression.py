@@ -26,8 +26,17 @@ import horovod.torch as hvd
 import torch
 
 from crossover.adaptive.static import StaticPolicy
+from crossover.compression.agreed import sets_from_state
 from crossover.compression.sparse_codec import SparseCodec
-from crossover.driver import CfPolicy, SparseStepDriver, check_momentum, gravac_or_dense, optimizer_momentum
+from crossover.driver import (
+    DEFAULT_TRANSPORT,
+    CfPolicy,
+    SparseStepDriver,
+    check_momentum,
+    check_transport,
+    gravac_or_dense,
+    optimizer_momentum,
+)
 from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._torch_host import TorchHookBase
@@ -42,7 +51,9 @@ class _SparseCompression(TorchHookBase):
     """A CF policy driving a sparsifying codec: the shared body of GraVAC and static compression."""
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
-                 seed: int, log_csv: str | None, tensorboard: Any = None, momentum: float | None = None) -> None:
+                 seed: int, log_csv: str | None, transport: str, tensorboard: Any = None,
+                 momentum: float | None = None) -> None:
+        check_transport(transport)
         super().__init__(min_compress_numel=min_compress_numel)
         self._momentum_setting = check_momentum(momentum)
         self.momentum = self._momentum_setting or 0.0  # reported to the policy, which caps the CF by it
@@ -54,7 +65,8 @@ class _SparseCompression(TorchHookBase):
                                  grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True,
                                  dense_stats_apart=True)
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
-                                       seed_check=self.codec.seed_check, tensorboard=tensorboard)
+                                       seed_check=self.codec.seed_check, tensorboard=tensorboard,
+                                       transport=None if self.codec.selector.shared_indices else transport)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.log_csv = log_csv
@@ -122,6 +134,7 @@ class _SparseCompression(TorchHookBase):
         """Everything a resumed run needs to continue the same schedule."""
         self._between_steps()
         state = self.driver.state_dict()
+        state["agreed"] = self.codec.agreed_state()  # the same on every rank: kept by sync() too
         if include_residuals:
             state["residuals"] = self.codec.memory.state()
         return state
@@ -134,8 +147,11 @@ class _SparseCompression(TorchHookBase):
         """
         if isinstance(state, Mapping) and "residuals" in state:
             self.codec.memory.validate(state["residuals"])
+        if isinstance(state, Mapping) and "agreed" in state:
+            sets_from_state(state["agreed"])  # checked before anything changes
         in_flight = self.driver.load_state_dict(state)
         self.codec.seed = self.driver.seed
+        self.codec.load_agreed(state.get("agreed", {}))
         if "residuals" in state:
             self.codec.memory.load(state["residuals"])
         TorchHookBase.reset(self)
@@ -146,6 +162,7 @@ class _SparseCompression(TorchHookBase):
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         super().reset()
         self.driver.reset()
+        self.codec.forget_agreed()
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
@@ -169,25 +186,30 @@ class GravacCompression(_SparseCompression):
     one row per step. `tensorboard`: a directory (rank 0 writes) or a SummaryWriter that gets per-step
     scalars under `crossover/` (docs/compression.md). `momentum`: None reads the optimizer's (SGD-style
     `momentum` of its param groups) at every step; the policy caps the CF by it (docs/accuracy.md).
+    `transport` (rank-specific compressors): "allgather" (the default: each rank's own pairs), "agreed" (values
+    at an index set agreed the step before, by allreduce) or "auto" (the cost model's cheapest, unless measured
+    step times favour the other); "agreed" and "auto" are opt-in (docs/scaling.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
                  enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
-                 momentum: float | None = None, **gravac: Any) -> None:
+                 momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv, tensorboard=tensorboard, momentum=momentum)
+                         seed=seed, log_csv=log_csv, transport=transport, tensorboard=tensorboard, momentum=momentum)
         self.enabled = bool(enabled)
 
 
 class StaticCompression(_SparseCompression):
-    """A fixed compression factor: `StaticCompression("topk", cf=100)` is static top-k at 1 %."""
+    """A fixed compression factor: `StaticCompression("topk", cf=100)` is static top-k at 1 %, each rank's
+    pairs by allgather; `transport="agreed"` sends values at the agreed index set instead (flat in W)."""
 
     def __init__(self, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                  min_compress_numel: int = 16384, seed: int = 0, log_csv: str | None = None,
-                 tensorboard: Any = None) -> None:
+                 tensorboard: Any = None, transport: str = "allgather") -> None:
         super().__init__(compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, tensorboard=tensorboard)
+                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, transport=transport,
+                         tensorboard=tensorboard)
 
 
 class AdaptiveCompression(AdaptiveFacade):

@@ -8,8 +8,8 @@ images, one image is 0.28 points: a single evaluation is too noisy). Each compre
 over the seeds must be within dense's own seed-to-seed spread, or 0.5 point, whichever is larger (the matrix's
 target, benchmarks/report.py), and the defaults must have read the optimizer's momentum and capped the CF at 10.
 
-The check can fail: with static top-k 100x in place of 10x the same job ended 3.0 and 3.1 points under dense and 0.3 above
-(median gap -3.0 against a bound of 1.1; docs/accuracy.md has the figures).
+The check can fail: with static top-k 100x in place of 10x the same job ended 3.0 and 3.1 points under dense and 0.3
+above (median gap -3.0 against a bound of 1.1; docs/accuracy.md has the figures).
 """
 
 from __future__ import annotations

@@ -189,8 +189,10 @@ def job_digits(epochs: int, hidden: int) -> dict:
 # The paper's search decides on gains only (omega 0: throughput never settles it here), so a straight and
 # a resumed run can be compared step by step; the default (ladder) search decides on wall-clock step
 # times, and its resume is checked with a controlled clock in test_driver_sim.py / test_gravac_policy.py.
+# Each rank's own pairs: agreed index sets are made per bucket and a restarted DDP regroups its buckets, so a
+# resume with the agreed transport continues from freshly drawn sets, not bit for bit (docs/scaling.md).
 _RESUME_SETTINGS = {"search": "paper", "gain": "norm", "cf_min": 4, "cf_max": 10**9, "epsilon": 0.35,
-                    "omega": 0.0, "window": 6, "min_compress_numel": 1024}
+                    "omega": 0.0, "window": 6, "min_compress_numel": 1024, "transport": "allgather"}
 
 
 def job_resume(steps: int) -> dict:
@@ -556,9 +558,9 @@ def job_gloo_one_gpu(steps: int, only: list[str] | None = None, gloo_cuda_sync: 
     with CUDA tensors off (scripts/gpu_check.py's diagnosis)."""
     import torch.distributed as dist
 
-    from crossover.ddp import hook
+    from crossover.ddp import _engine
 
-    hook.GLOO_CUDA_SYNC = gloo_cuda_sync
+    _engine.GLOO_CUDA_SYNC = gloo_cuda_sync
     dev = torch.device("cuda", 0)
     base = _mlp().to(dev)
     plain = DDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=0.1)

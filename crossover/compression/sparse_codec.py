@@ -8,7 +8,9 @@ gradient and the reduced statistics vector, which the host hands to the step dri
 
 Parts (GRACE's split): a selector (`selectors.py`, rank-specific top-k class or shared-index
 random-k), an error-feedback memory (`memory.py`), transports (`transport.py`) behind the
-`Collectives` interface, the cost model choosing the transport.
+`Collectives` interface, the cost model choosing the transport. A plan whose ``transport`` is
+``cost_model.AGREED`` sends a rank-specific selector's tensors at the index set agreed the step before
+(`agreed.py`): one allreduce of k values instead of an allgather of every rank's k pairs.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Protocol
 
 import torch
 
-from . import cost_model, kernels, transport
+from . import agreed, cost_model, kernels, transport
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
-from .selectors import Selector, apply_mask, k_for, make_selector
+from .selectors import Selection, Selector, apply_mask, k_for, make_selector
 from .wire import SparseStatsLayout, seed_fingerprint, shared_seed
 
 __all__ = ["SparseCodec", "StepPlan"]
@@ -34,6 +36,9 @@ class StepPlan(Protocol):
     step: int  # steps begun, identical on every rank: seeds the shared random choices
     sent_cf: float  # the CF to send (1 = dense)
     probes: tuple[float, ...]  # the CFs whose norms to measure
+    # optional ``transport``: cost_model.AGREED sends rank-specific selections at the agreed index set;
+    # optional ``note_costs(costs)``: told each compressed tensor's bytes per worker per candidate transport, when
+    # the optional ``wants_costs`` is true
 
 
 class SparseCodec:
@@ -58,6 +63,21 @@ class SparseCodec:
         self._outputs: dict[str, torch.Tensor] = {}
         self._packed: dict[str, torch.Tensor] = {}
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
+        self._agreed: dict[str, agreed.AgreedSet] = {}  # key -> the index set agreed for its next step
+        self._scores: dict[str, torch.Tensor] = {}
+
+    def forget_agreed(self) -> None:
+        """Drop every agreed index set (elastic reset): the next step of each tensor draws its set from the
+        shared seed. Call it on every rank alike."""
+        self._agreed.clear()
+
+    def agreed_state(self) -> dict[str, list]:
+        """The agreed index sets (the same on every rank), as plain values for a checkpoint."""
+        return agreed.sets_to_state(self._agreed)
+
+    def load_agreed(self, state: object) -> None:
+        """Replace the agreed sets by `agreed_state()` output (checked first: ValueError, nothing changed)."""
+        self._agreed = agreed.sets_from_state(state)
 
     def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float,
                comm: Collectives, momentum: float = 0.0) -> tuple[torch.Tensor, transport.SparseCtx, int]:
@@ -78,6 +98,18 @@ class SparseCodec:
             # compressed step, and later dense steps skip this pass.
             acc = residual.add_(grad)
         seed = shared_seed(self.seed, rec.step, key)
+        send_cf = rec.sent_cf
+        k = k_for(numel, send_cf) if send_cf > 1 else numel
+        # the agreed set holds k indices of the CF sent: it serves plans that send their lowest level
+        agreed_ok = getattr(rec, "transport", None) == cost_model.AGREED and send_cf > 1 and send_cf == levels[0]
+        kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices, agreed_ok)
+        # the step driver's record collects the cost model's bytes where something reads them
+        note = getattr(rec, "note_costs", None) if getattr(rec, "wants_costs", False) else None
+        if note is not None and send_cf > 1 and not self.selector.shared_indices:
+            note(_candidate_costs(numel, k, comm.size(), SparseStatsLayout(len(rec.probes), self.seed_check).length))
+        if kind == cost_model.AGREED:
+            return self._encode_agreed(key, tensor, grad, residual, rec, step_time, comm, levels, k, seed,
+                                       momentum)
         sel = self.selector.select(key, grad, residual, levels[0], seed) if levels else None
         grad_sq = None  # ||g|| apart from the residual: read by the selection pass when it can
         if self.grad_norms and residual is not None:
@@ -99,9 +131,6 @@ class SparseCodec:
         ctx = transport.SparseCtx(kind=transport.DENSE, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, grad=grad, residual=residual,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
-        send_cf = rec.sent_cf
-        k = k_for(numel, send_cf) if send_cf > 1 else numel
-        kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices)
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
             sel = apply_mask(sel, masks[send_cf], residual)
         if sel is not None:
@@ -148,6 +177,8 @@ class SparseCodec:
         """
         if stats is None:
             stats = transport.split_stats(reduced, ctx.nstats)
+        if ctx.kind == transport.AGREED:
+            self._receive_agreed(reduced, ctx, comm, stats)
         out = None
         if ctx.kind != transport.DENSE:
             out = self._outputs.get(ctx.key)
@@ -160,6 +191,82 @@ class SparseCodec:
             flat.fill_(float("nan"))
         ctx.grad = ctx.residual = ctx.val = ctx.stats_apart = ctx.stats_handle = None  # drop the step's tensors
         return flat.view(ctx.shape), stats
+
+    def _encode_agreed(self, key: str, tensor: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None,
+                       rec: StepPlan, step_time: float, comm: Collectives, levels: list[float], k: int,
+                       seed: int, momentum: float) -> tuple[torch.Tensor, transport.SparseCtx, int]:
+        """Values of grad + residual at the set agreed for this step (else drawn from the seed), summed by
+        the host; this rank's proposals for the next step's set by allgather; the rest stays in the residual."""
+        numel, world = grad.numel(), comm.size()
+        have = self._agreed.pop(key, None)
+        if have is not None and (have.step, have.k, have.numel) == (rec.step, k, numel):
+            idx, hashes = have.idx.to(grad.device), have.hashes  # a loaded set comes on the CPU
+        else:
+            idx = agreed.bootstrap(numel, k, seed, grad.device)
+            hashes = agreed.fingerprint(key, rec.step, "seed", idx)
+        val = self.selector.buffers.get(key, "agreed", k, torch.float32, grad.device)
+        grad_sq = kernels.sumsq(grad) if self.grad_norms and residual is not None else None
+        if residual is not None:
+            acc_sq = kernels.ef_accumulate(grad, residual)
+            sel_sq = kernels.gather_take(residual, idx, val, True)
+        else:
+            acc_sq = kernels.sumsq(grad)
+            sel_sq = kernels.gather_take(grad, idx, val, False)
+        sel = Selection(idx, val, acc_sq, sel_sq)
+        sq = {levels[0]: sel_sq}
+        for cf in levels[1:]:  # higher probed CFs: the largest of the agreed values (norms only, never sent)
+            sq[cf] = kernels.sumsq(val[self.selector.subselect(sel, numel, cf, seed ^ int(cf))].contiguous())
+        layout = SparseStatsLayout(len(rec.probes), self.seed_check)
+        stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
+                                          acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
+                                          seed_fp=seed_fingerprint(self.seed, world), momentum=momentum),
+                             dtype=torch.float32, device=grad.device)
+        check = torch.tensor(agreed.check_values(hashes), dtype=torch.float32, device=grad.device)
+        proposals = self._propose(key, grad, residual, sel, world)
+        payload, handle = transport.send_agreed(val, check, stats, comm, f"crossover.agreed.{key}", proposals)
+        ctx = transport.SparseCtx(kind=transport.AGREED, key=key, shape=tensor.shape, numel=numel,
+                                  nstats=layout.length, handle=handle, idx=idx, k=k, val=val, grad=grad,
+                                  residual=residual, step=rec.step, hashes=hashes,
+                                  local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
+        return payload, ctx, payload.numel() * 4 + proposals.numel() * 4
+
+    def _receive_agreed(self, reduced: torch.Tensor, ctx: transport.SparseCtx, comm: Collectives,
+                        stats: torch.Tensor) -> None:
+        """Check that every rank sent values at the same set, and agree on the next step's set."""
+        gathered = comm.wait(ctx.handle) if ctx.handle is not None else None  # always: it completes everywhere
+        world = comm.size()
+        one = float(stats[0])  # the factor the host applied to sums, times world
+        if not (math.isfinite(one) and one > 0 and bool(torch.isfinite(stats).all())):
+            return  # a non-finite step (decoded to NaN, undone): no set agreed; the next draws from the seed
+        check = reduced[ctx.k:ctx.k + cost_model.AGREED_CHECK].tolist()
+        summed = [v * world / one for v in check]
+        if not agreed.checks_agree(summed, world, ctx.hashes):
+            raise RuntimeError(f"crossover compression: the ranks sent the values of {ctx.key!r} at different "
+                               "agreed index sets (their compression state differs: call reset() or "
+                               "load_state_dict() on every rank alike)")
+        if gathered is None:  # no proposals (a dense set): the next step draws its set from the seed
+            return
+        nxt = ctx.step + 1
+        idx = self._next_set(gathered.reshape(-1), world, ctx, shared_seed(self.seed, nxt, ctx.key) ^ _FILL_SEED)
+        self._agreed[ctx.key] = agreed.AgreedSet(nxt, ctx.k, ctx.numel, idx,
+                                                 agreed.fingerprint(ctx.key, nxt, "agreed", idx))
+
+    def _propose(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, sel: Selection,
+                 world: int) -> torch.Tensor:
+        """This rank's proposals for the next step's set: the largest entries of the next accumulator as
+        predicted now, the residual after this send plus this step's gradient (without error feedback: the
+        gradient), ``ceil(k / W)`` of them, largest first."""
+        score = grad
+        if residual is not None:
+            score = self._scores.get(key)
+            if score is None or score.numel() != grad.numel() or score.device != grad.device:
+                score = self._scores[key] = torch.empty_like(grad)
+            torch.add(residual, grad, out=score)
+        return agreed.propose(score, sel.idx.numel(), world)
+
+    def _next_set(self, gathered: torch.Tensor, world: int, ctx: transport.SparseCtx, seed: int) -> torch.Tensor:
+        """The set for the step after ``ctx.step`` from every rank's gathered proposals (same on every rank)."""
+        return agreed.merge_proposals(gathered, world, ctx.step, ctx.k, ctx.numel, seed)
 
     @staticmethod
     def _undo(ctx: transport.SparseCtx) -> None:
@@ -185,6 +292,19 @@ class SparseCodec:
             buf = torch.empty((max(count, 1), 2), dtype=torch.int32, device=device)
             self._packed[key] = buf
         return buf[:count]
+
+
+_FILL_SEED = 0x5851F42D4C957F2D  # decorrelates the fill of an agreed set from the step's own random draws
+
+
+def _candidate_costs(numel: int, k: int, world: int, nstats: int) -> dict[str, float]:
+    """Bytes per worker of one tensor sent at k elements by each transport a rank-specific selector can use
+    (each falling back to dense where that is cheaper, as `choose_transport` does)."""
+    out = {}
+    for kind in (cost_model.AGREED, cost_model.ALLGATHER):
+        real = cost_model.choose_transport(numel, k, world, False, kind == cost_model.AGREED)
+        out[kind] = cost_model.transport_cost(real, numel, k, world, nstats).bytes
+    return out
 
 
 def _largest(val: torch.Tensor, k: int) -> torch.Tensor:

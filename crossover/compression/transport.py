@@ -1,4 +1,4 @@
-"""How a compressed tensor travels: dense, values at shared indices by allreduce, or by allgather.
+"""How a compressed tensor travels: dense, values at shared or agreed indices by allreduce, or by allgather.
 
 Each transport has `send` (build what the host reduces, start any collective of its own) and
 `receive` (turn the reduced payload, and what was gathered, into the averaged gradient). The
@@ -24,17 +24,18 @@ from . import kernels
 from .collectives import Collectives
 from .selectors import Selection
 
-__all__ = ["DENSE", "SHARED", "GATHER", "SparseCtx", "send_dense", "send_shared", "send_allgather", "receive",
-           "split_stats"]
+__all__ = ["AGREED", "DENSE", "SHARED", "GATHER", "SparseCtx", "send_dense", "send_shared", "send_agreed",
+           "send_allgather", "receive", "split_stats"]
 
 DENSE, SHARED, GATHER = "dense", "ar", "ag"
+AGREED = "agreed"  # values at the index set agreed the step before (agreed.py), proposals by allgather
 
 
 @dataclass
 class SparseCtx:
     """What `receive` needs to decode one tensor's reduced payload."""
 
-    kind: str  # DENSE, SHARED or GATHER
+    kind: str  # DENSE, SHARED, GATHER or AGREED
     key: str
     shape: torch.Size
     numel: int
@@ -49,6 +50,8 @@ class SparseCtx:
     local_finite: bool = True  # this rank's gradient (+ residual) statistics were finite
     stats_apart: torch.Tensor | None = None  # a dense payload's statistics, for the host to reduce on its own
     stats_handle: Any = None  # the host's reduction of stats_apart in flight
+    step: int = 0  # AGREED: the step, and the fingerprint of the set this rank used
+    hashes: tuple[int, int] = (0, 0)
 
 
 def send_dense(values: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
@@ -59,6 +62,14 @@ def send_dense(values: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 def send_shared(sel: Selection, stats: torch.Tensor) -> torch.Tensor:
     """Values at indices every rank shares (random-k from a shared seed): summable."""
     return torch.cat([sel.val, stats])
+
+
+def send_agreed(val: torch.Tensor, check: torch.Tensor, stats: torch.Tensor, comm: Collectives, name: str,
+                proposals: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Values at the agreed indices, the set's check floats and the statistics, summed by the host; this
+    rank's index proposals for the next step by allgather (equal sizes on every rank; none: no allgather)."""
+    handle = comm.allgather_async(proposals, name) if proposals.numel() else None
+    return torch.cat([val, check, stats]), handle
 
 
 HEADER_ROWS = 2  # per rank, before its pairs: (count, numel), (shape hash, ndim)
@@ -122,7 +133,7 @@ def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch
     if ctx.kind == DENSE:
         return reduced[:ctx.numel]
     assert out is not None
-    if ctx.kind == SHARED:
+    if ctx.kind in (SHARED, AGREED):  # AGREED: the codec checks the set and waits for the proposals
         kernels.zero_scatter(out, ctx.idx, reduced[:ctx.k].contiguous())
         return out
     world = comm.size()

@@ -17,8 +17,9 @@ from crossover.driver.settings import (
     lr_at,
     optimizer_momentum,
 )
-from crossover.driver.sparse import CfPolicy, SparseStepDriver
+from crossover.driver.sparse import DEFAULT_TRANSPORT, TRANSPORTS, CfPolicy, SparseStepDriver, check_transport
 from crossover.driver.steplog import StepLog
 
-__all__ = ["DQSGD_PARAMS", "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
-           "check_min_numel", "check_momentum", "dqsgd_settings", "gravac_or_dense", "lr_at", "optimizer_momentum"]
+__all__ = ["DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "CfPolicy", "GradientKeys", "QuantStepDriver",
+           "SparseStepDriver", "StepLog", "StepRecord", "check_min_numel", "check_momentum", "check_transport",
+           "dqsgd_settings", "gravac_or_dense", "lr_at", "optimizer_momentum"]

@@ -6,7 +6,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from crossover.adaptive.gravac import StepStats
 from crossover.compression.wire import STAT_MAX, SparseStatsLayout
@@ -35,6 +35,13 @@ class StepRecord:
     bytes_dense: int = 0
     nonfinite: bool = False  # some tensor's reduced statistics were inf/NaN: not shown to the policy
     saturated: bool = False  # some statistic reached STAT_MAX (clamped): not shown to the policy
+    transport: str | None = None  # how compressed tensors travel this step (cost_model name; None: the codec's default)
+    # the cost model's bytes per worker of this step's compressed tensors, per candidate transport (same on every
+    # rank: tensor sizes, k and world size), as the codec reports them (`note_costs`)
+    transport_bytes: dict[str, float] = field(default_factory=dict)
+    # whether the codec reports those bytes (`note_costs`): the driver turns it on where they are read (the transport
+    # choice, a benchmark); not saved, and off by default: the arithmetic costs about 10 us per compressed tensor
+    wants_costs: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         n = len(self.probes)
@@ -42,6 +49,11 @@ class StepRecord:
         self.probe_norm = list(self.probe_norm) or [0.0] * n
         if len(self.probe_sq) != n or len(self.probe_norm) != n:
             raise ValueError("probe statistics must have one value per probed CF")
+
+    def note_costs(self, costs: Mapping[str, float]) -> None:
+        """Add one compressed tensor's predicted bytes per worker, per candidate transport."""
+        for kind, nbytes in costs.items():
+            self.transport_bytes[kind] = self.transport_bytes.get(kind, 0.0) + float(nbytes)
 
     @property
     def skipped(self) -> bool:
@@ -125,10 +137,18 @@ class StepRecord:
             check_real("step record momentum", self.momentum, 0.0)
         if not all(isinstance(v, bool) for v in (self.nonfinite, self.saturated, self.measure)):
             raise ValueError("step record nonfinite/saturated/measure must be booleans")
+        if self.transport is not None and not isinstance(self.transport, str):
+            raise ValueError(f"step record transport must be a name or None, got {self.transport!r}")
+        if not isinstance(self.transport_bytes, Mapping):
+            raise ValueError("step record transport_bytes must be a mapping of transport -> bytes")
+        for kind, v in self.transport_bytes.items():
+            if not isinstance(kind, str):
+                raise ValueError(f"step record transport_bytes keys must be names, got {kind!r}")
+            check_real("step record transport bytes", v, 0.0)
 
 
 #: Fields a record saved before they existed may lack (their defaults stand in).
-_ADDED_LATER = {"momentum"}
+_ADDED_LATER = {"momentum", "transport", "transport_bytes"}
 
 
 def check_int(what: str, v: object, lo: int) -> int:

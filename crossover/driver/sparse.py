@@ -25,6 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
+from crossover.adaptive.gravac import tunables as T
+from crossover.adaptive.gravac.transport_choice import CfState, TransportChoice
+from crossover.compression import cost_model
 from crossover.compression.checks import check_seed
 from crossover.compression.wire import SparseStatsLayout, normalize_reduced, seeds_disagree
 from crossover.driver.flat import flat_stats
@@ -32,11 +35,28 @@ from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
 from crossover.driver.tboard import TensorBoardLog
 
-__all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "SparseStepDriver"]
+__all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "DEFAULT_TRANSPORT", "SparseStepDriver", "TRANSPORTS",
+           "check_transport"]
 
 log = logging.getLogger("crossover.driver")
 
 CF_POLICY_STATE_VERSION = 1
+
+#: ``transport=`` of a rank-specific selector (top-k, DGC, RedSync): "auto" (the cost model's cheapest, then
+#: measured time: ``TransportChoice``), "agreed" (always the agreed index set) or "allgather" (always each
+#: rank's own pairs). Shared-index selectors (random-k) always allreduce: pass None.
+TRANSPORTS = ("auto", cost_model.AGREED, cost_model.ALLGATHER)
+#: The adaptive objects' default: each rank's own pairs, as before the agreed set existed ("auto" and "agreed"
+#: are opt-in: the agreed set at CF 10 lost 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
+DEFAULT_TRANSPORT = cost_model.ALLGATHER
+
+
+def check_transport(transport: object, *, none_ok: bool = False) -> str | None:
+    """`transport` if it is one of TRANSPORTS (or None where `none_ok`), else ValueError naming the choices."""
+    if (transport is None and none_ok) or (isinstance(transport, str) and transport in TRANSPORTS):
+        return transport
+    raise ValueError(f"transport must be one of {', '.join(repr(t) for t in TRANSPORTS)}"
+                     f"{' (or None for a shared-index compressor)' if none_ok else ''}, got {transport!r}")
 
 
 class CfPolicy(Protocol):
@@ -56,9 +76,17 @@ class SparseStepDriver:
     """Step counter, plans, one-step-late observation, byte counters and state of a CF policy."""
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
-                 rank: Callable[[], int] = lambda: 0, seed_check: bool = False, tensorboard: Any = None) -> None:
+                 rank: Callable[[], int] = lambda: 0, seed_check: bool = False, tensorboard: Any = None,
+                 transport: str | None = None) -> None:
+        check_transport(transport, none_ok=True)
         self.policy = policy
         self.seed_check = seed_check  # the payloads carry the seed's fingerprint (the codec's `seed_check`)
+        self.transport = transport
+        config = getattr(policy, "config", None)
+        omega = config.get("omega", T.OMEGA) if isinstance(config, Mapping) else T.OMEGA
+        self.transports = TransportChoice((cost_model.AGREED, cost_model.ALLGATHER), omega=omega) \
+            if transport == "auto" else None
+        self.collect_costs = False  # True: every step records the cost model's bytes per transport (benchmarks)
         self.compressor = compressor
         self.seed = check_seed(seed)
         self.log = StepLog(log_csv, rank)
@@ -94,10 +122,21 @@ class SparseStepDriver:
         plan = self.policy.plan()
         self.current = StepRecord(step=self.step, sent_cf=float(plan.send_cf),
                                   probes=tuple(float(p) for p in plan.probe_cfs),
-                                  measure=plan.measure)
+                                  measure=plan.measure, transport=self._transport_for(float(plan.send_cf)))
+        if self.transports is not None or self.collect_costs:
+            self.current.wants_costs = True
         if self.tensorboard is not None:
             self._tb_step(finished, self.last_step_time, float(plan.send_cf))
         return self.current
+
+    def _transport_for(self, cf: float) -> str | None:
+        """The transport of a step sending ``cf``: the transport choice's, the fixed one, or None (dense, or the
+        codec's default). Identical on every rank (plans and reduced statistics only)."""
+        if cf <= 1.0 or self.transport is None:
+            return None
+        if self.transports is not None:
+            return self.transports.plan(cf)
+        return self.transport
 
     def skips_all(self) -> bool:
         """True when the step in flight neither compresses nor measures anything: every tensor may go
@@ -111,6 +150,10 @@ class SparseStepDriver:
         if p is not None and rec.prev_step_time is not None:
             if not p.skipped:  # a non-finite or saturated step is not shown to the policy, on every rank
                 self.policy.observe(p.to_stats(rec.prev_step_time))
+                if self.transports is not None:
+                    self.transports.observe(sent_cf=p.sent_cf, transport=p.transport,
+                                            step_time_s=rec.prev_step_time, predicted_bytes=p.transport_bytes,
+                                            cf_state=CfState.of(self.policy.summary()))
             self.log.write(p.step - 1, p, rec.prev_step_time)
         self.pending = rec if rec.tensors else None
 
@@ -238,7 +281,10 @@ class SparseStepDriver:
         out = {"step": self.step, "compression_factor": cf, "gain": gain, "bytes_sent": self.bytes_sent,
                "bytes_dense": self.bytes_dense, "nonfinite_steps": self.nonfinite_steps,
                "saturated_steps": self.saturated_steps, "compressor": self.compressor}
-        return flat_stats(out, policy=summary)
+        if self.transport is not None:  # a rank-specific selector's transport= (not random-k, not the TF glue)
+            out["transport"] = self.current.transport if self.current is not None else None
+        return flat_stats(out, policy=summary,
+                          transport_choice=self.transports.summary() if self.transports is not None else None)
 
     def _compressed_lately(self) -> bool:
         """Whether the latest step whose statistics arrived compressed a tensor: the step in flight (torch, DDP:
@@ -247,14 +293,17 @@ class SparseStepDriver:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue the same schedule (residuals are the glue's)."""
-        return {"version": CF_POLICY_STATE_VERSION, "compressor": self.compressor, "seed": self.seed,
-                "policy": self.policy.state_dict(), "bytes_sent": self.bytes_sent,
-                "bytes_dense": self.bytes_dense, "step": self.step,
-                # the last two steps' statistics, not yet fed to the policy (it observes one step late)
-                "current": None if self.current is None else self.current.to_dict(),
-                "pending": None if self.pending is None else self.pending.to_dict(),
-                "last_step_time": self.last_step_time, "nonfinite_steps": self.nonfinite_steps,
-                "saturated_steps": self.saturated_steps}
+        state = {"version": CF_POLICY_STATE_VERSION, "compressor": self.compressor, "seed": self.seed,
+                 "policy": self.policy.state_dict(), "bytes_sent": self.bytes_sent,
+                 "bytes_dense": self.bytes_dense, "step": self.step,
+                 # the last two steps' statistics, not yet fed to the policy (it observes one step late)
+                 "current": None if self.current is None else self.current.to_dict(),
+                 "pending": None if self.pending is None else self.pending.to_dict(),
+                 "last_step_time": self.last_step_time, "nonfinite_steps": self.nonfinite_steps,
+                 "saturated_steps": self.saturated_steps}
+        if self.transports is not None:  # transport="auto" only: other drivers save what they did before it
+            state["transport"] = self.transports.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> bool:
         """Restore from `state_dict()`; returns whether a step was in flight (its statistics are kept).
@@ -273,7 +322,8 @@ class SparseStepDriver:
         if state.get("version") != CF_POLICY_STATE_VERSION or state.get("compressor") != self.compressor:
             raise ValueError(f"state is for compressor {state.get('compressor')!r} version "
                              f"{state.get('version')!r}; this is {self.compressor!r} v{CF_POLICY_STATE_VERSION}")
-        missing = [name for name in self.state_dict() if name not in state]
+        # "transport" (transport="auto") may be missing: its step-time measurements are then taken again
+        missing = [name for name in self.state_dict() if name not in state and name != "transport"]
         if missing:  # a field left out is never read as 0: that would reset a counter or the seeds' step
             raise ValueError(f"not a valid compression state: missing field(s) {', '.join(missing)}")
         policy = copy.deepcopy(self.policy)
@@ -284,8 +334,13 @@ class SparseStepDriver:
         current = StepRecord.from_dict(state["current"])
         pending = StepRecord.from_dict(state["pending"])
         last_step_time = check_real("last_step_time", state["last_step_time"], 0.0)
+        transports = None
+        if self.transports is not None:  # saved without it (another transport=, or older): afresh
+            transports = TransportChoice(self.transports.candidates, omega=self.transports.omega)
+            if state.get("transport") is not None:
+                transports.load_state_dict(state["transport"])
         # validated: apply
-        self.policy, self.seed = policy, seed
+        self.policy, self.seed, self.transports = policy, seed, transports
         for name, v in counters.items():
             setattr(self, name, v)
         self.reset()

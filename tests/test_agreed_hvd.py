@@ -1,0 +1,96 @@
+"""The agreed index set transport inside real 3-rank Horovod jobs (Gloo, CPU): the averaged gradient is the exact
+average of what each rank sent, residuals are exact, and every rank decides the same with gradients that differ
+on purpose."""
+
+import torch
+from hvd_harness import run_function
+
+N = 50_000  # elements of the test parameter (above min_compress_numel)
+CF = 200.0  # k = 250 of 50 000: the set takes proposals (CF >= 100)
+
+
+def _param_opt(compression):
+    import horovod.torch as hvd
+
+    p = torch.nn.Parameter(torch.zeros(N))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)],
+                                   compression=compression)
+    return p, opt
+
+
+def _rank_grad(step):
+    """Each rank its own scale and distribution: rank 1 heavy-tailed and 100x larger."""
+    import horovod.torch as hvd
+
+    gen = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+    g = torch.randn(N, generator=gen)
+    return 100 * g ** 3 if hvd.rank() == 1 else g * (1 + hvd.rank())
+
+
+def _step(p, opt, g):
+    opt.zero_grad()
+    (p * g).sum().backward()
+    opt.synchronize()
+    return p.grad.detach().clone()
+
+
+def exact_job(steps):
+    import horovod.torch as hvd
+
+    from crossover import StaticCompression
+
+    comp = StaticCompression("topk", cf=CF, transport="agreed")
+    p, opt = _param_opt(comp)
+    worst_avg, residual_exact, same_set, set_sizes = 0.0, True, True, set()
+    for step in range(steps):
+        before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
+        g = _rank_grad(step)
+        out = _step(p, opt, g)
+        after = comp._residuals["w"]
+        acc = g + before
+        sent_at = after == 0  # acc is non-zero everywhere (continuous): zeros are exactly the set
+        residual_exact &= bool(torch.equal(after[~sent_at], acc[~sent_at]))
+        sent = torch.where(sent_at, acc, torch.zeros_like(acc))
+        every = hvd.allgather(sent.unsqueeze(0), name="test.sent")
+        worst_avg = max(worst_avg, float((every.mean(0) - out).abs().max() / every.abs().max()))
+        masks = hvd.allgather(sent_at.to(torch.int32).unsqueeze(0), name="test.mask")
+        same_set &= bool((masks == masks[0]).all())
+        set_sizes.add(int(sent_at.sum()))
+    return {"worst_avg": worst_avg, "residual_exact": residual_exact, "same_set": same_set,
+            "set_sizes": sorted(set_sizes), "stats": {k: v for k, v in comp.stats().items()
+                                                      if k in ("bytes_sent", "bytes_dense", "transport")}}
+
+
+def test_agreed_average_is_exact_and_residuals_are_exact():
+    res = run_function(exact_job, np=3, args=[12], timeout=240)
+    k = -(-N // int(CF))
+    for r in res:
+        assert r["worst_avg"] < 1e-6, r
+        assert r["residual_exact"] and r["same_set"], r
+        assert r["set_sizes"] == [k], r
+        assert r["stats"]["transport"] == "agreed"
+        # k values + checks + statistics by allreduce, ceil(k / 9) proposals by allgather, per step
+        assert r["stats"]["bytes_sent"] * 150 < r["stats"]["bytes_dense"], r["stats"]
+
+
+def decisions_job(steps):
+    from crossover import AdaptiveCompression
+
+    comp = AdaptiveCompression("topk", window=8, cf_min=4, cf_max=64, epsilon=0.3, transport="auto")
+    p, opt = _param_opt(comp)
+    trace = []
+    for step in range(steps):
+        out = _step(p, opt, _rank_grad(step))
+        s = comp.stats()
+        trace.append([s["compression_factor"], s["transport"], float(out.double().sum())])
+    return {"trace": trace, "choice": {k: v for k, v in comp.stats().items() if k.startswith("transport_choice/")}}
+
+
+def test_every_rank_decides_the_same_transport_and_cf():
+    res = run_function(decisions_job, np=3, args=[90], timeout=420)
+    t0 = res[0]["trace"]
+    for r in res[1:]:
+        assert r["trace"] == t0  # CF, transport and the decoded gradient, step by step
+        assert r["choice"] == res[0]["choice"]
+    assert {row[1] for row in t0 if row[0] > 1} >= {"agreed"}, t0[::10]
+    assert len({row[0] for row in t0}) >= 2, "the CF never changed: the test would not see a disagreement"
