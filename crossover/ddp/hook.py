@@ -230,7 +230,7 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
         raise ValueError(f"policy='gravac': {exc}") from None
     if momentum is None and enabled:
         log.info("crossover.ddp: AdaptiveState(momentum=None): a DDP hook cannot read the optimizer's momentum; "
-                 "pass momentum=<your SGD momentum> so that the policy caps the compression by it "
+                 "pass momentum=<your SGD momentum, or Adam's beta1> so that the policy caps the compression by it "
                  "(docs/accuracy.md)")
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
