@@ -193,13 +193,7 @@ class RandomK(Selector):
         idx = self.buffers.get(key, "idx", k, torch.int32, grad.device)
         kernels.random_indices(numel, k, seed, idx)
         val = self.buffers.get(key, "val", k, torch.float32, grad.device)
-        if residual is not None:
-            sumsq_acc = kernels.ef_accumulate(grad, residual)
-            sumsq_sel = kernels.gather_take(residual, idx, val, True)
-        else:
-            sumsq_acc = kernels.sumsq(grad)
-            sumsq_sel = kernels.gather_take(grad, idx, val, False)
-        return Selection(idx, val, sumsq_acc, sumsq_sel)
+        return take_at(grad, residual, idx, val)
 
     def subselect(self, sel, numel, cf, seed):
         """A shared random subset (same on every rank) of the shared indices."""
@@ -224,6 +218,18 @@ def _dense_selection(grad: torch.Tensor, residual: torch.Tensor | None) -> Selec
     idx = torch.arange(grad.numel(), dtype=torch.int32, device=grad.device)
     s = kernels.sumsq(acc)
     return Selection(idx, acc, s, s)
+
+
+def take_at(grad: torch.Tensor, residual: torch.Tensor | None, idx: torch.Tensor, val: torch.Tensor) -> Selection:
+    """The values of grad (+ residual, accumulated into it in place) at indices every rank shares, into `val`;
+    with a residual, the taken entries are cleared from it (error feedback keeps the rest)."""
+    if residual is not None:
+        sumsq_acc = kernels.ef_accumulate(grad, residual)
+        sumsq_sel = kernels.gather_take(residual, idx, val, True)
+    else:
+        sumsq_acc = kernels.sumsq(grad)
+        sumsq_sel = kernels.gather_take(grad, idx, val, False)
+    return Selection(idx, val, sumsq_acc, sumsq_sel)
 
 
 def apply_mask(sel: Selection, keep: torch.Tensor, residual: torch.Tensor | None) -> Selection:

@@ -24,7 +24,7 @@ from . import agreed, cost_model, kernels, transport
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
-from .selectors import Selection, Selector, apply_mask, k_for, make_selector
+from .selectors import Selection, Selector, apply_mask, k_for, make_selector, take_at
 from .wire import SparseStatsLayout, seed_fingerprint, shared_seed
 
 __all__ = ["SparseCodec", "StepPlan"]
@@ -206,13 +206,8 @@ class SparseCodec:
             hashes = agreed.fingerprint(key, rec.step, "seed", idx)
         val = self.selector.buffers.get(key, "agreed", k, torch.float32, grad.device)
         grad_sq = kernels.sumsq(grad) if self.grad_norms and residual is not None else None
-        if residual is not None:
-            acc_sq = kernels.ef_accumulate(grad, residual)
-            sel_sq = kernels.gather_take(residual, idx, val, True)
-        else:
-            acc_sq = kernels.sumsq(grad)
-            sel_sq = kernels.gather_take(grad, idx, val, False)
-        sel = Selection(idx, val, acc_sq, sel_sq)
+        sel = take_at(grad, residual, idx, val)
+        acc_sq, sel_sq = sel.sumsq_acc, sel.sumsq_sel
         sq = {levels[0]: sel_sq}
         for cf in levels[1:]:  # higher probed CFs: the largest of the agreed values (norms only, never sent)
             sq[cf] = kernels.sumsq(val[self.selector.subselect(sel, numel, cf, seed ^ int(cf))].contiguous())
