@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from test_agreed_transport import _grads  # gradients that differ per rank on purpose
 
 from crossover.adaptive.gravac import GravacPolicy
 from crossover.adaptive.gravac.transport_choice import CfState, TransportChoice
@@ -104,12 +105,6 @@ class _Rank:
         self.codec = SparseCodec("topk", seed=0, grad_norms=True)
 
 
-def _grads(world: int, step: int, n: int) -> list[torch.Tensor]:
-    out = []
-    for r in range(world):
-        g = torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + r))
-        out.append(g * (1 + r) if r % 2 == 0 else g.abs() ** 3 * (r + 0.5))
-    return out
 
 
 def _run(world: int, steps: int, transport: str | None, step_time) -> tuple[list[list[tuple]], list[_Rank]]:
