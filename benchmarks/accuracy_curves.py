@@ -85,6 +85,7 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
             return float((model(xte).argmax(1) == yte).float().mean())
 
     step = 0
+    highest_sent = 1.0  # the highest CF the defaults sent on any step (the cap must hold from the first)
     for _ in range(epochs):
         order = torch.randperm(len(xtr), generator=gen)
         for b in range(per_epoch):
@@ -93,6 +94,8 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
                 opts[name].zero_grad()
                 torch.nn.functional.cross_entropy(models[name](xtr[idx]), ytr[idx]).backward()
                 opts[name].step()
+                if name == "gravac":
+                    highest_sent = max(highest_sent, float(comps[name].driver.current.sent_cf))
             step += 1
             if step > window_from:
                 for name in methods:
@@ -104,6 +107,7 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
         st = comps["gravac"].stats()
         out["gravac"]["max_cf"] = st.get("policy/max_cf")
         out["gravac"]["last_cf"] = st.get("compression_factor")
+        out["gravac"]["highest_sent_cf"] = highest_sent
     return out
 
 

@@ -69,6 +69,7 @@ def replay(rows: Sequence[dict[str, str]], settings: dict[str, Any] | None = Non
         raise ValueError("only the ladder search (the default) is replayed: the paper search's plans probe "
                          "CFs the CSV does not record")
     policy = GravacPolicy(**settings)
+    policy.expect_momentum()  # as the step driver does; the CSV has no momentum column, so no cap follows
     replayed = []
     for i in range(len(rows)):
         stats = StepLog.row_stats(rows[i - 2]) if i >= 2 else None

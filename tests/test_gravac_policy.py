@@ -1000,3 +1000,33 @@ def test_a_capped_state_saves_and_resumes_and_the_paper_search_ignores_momentum(
     paper = GravacPolicy(**PAPER)
     assert _drive_with_momentum(paper, 60, lambda t: 0.9) == _drive_with_momentum(GravacPolicy(**PAPER), 60,
                                                                                   lambda t: 0.0)
+
+
+def test_expect_momentum_keeps_the_first_steps_under_any_cap_until_the_statistics_arrive() -> None:
+    # The step drivers call expect_momentum(): their statistics carry the momentum, one step late. Before, the
+    # first two steps of a momentum-0.9 run went out at CF 100, above the cap (issue 33).
+    for m, first_high in ((0.9, None), (0.0, 100.0)):
+        policy = GravacPolicy()
+        policy.expect_momentum()
+        assert policy.plan().send_cf == 10.0 and policy.summary()["max_cf"] == 10.0  # cf_min: the commonest cap
+        sent = _drive_with_momentum(policy, 200, lambda t, m=m: m)
+        if first_high is None:
+            assert max(sent) == 10.0  # never above the cap, from the first step
+        else:
+            assert sent[0] == 10.0 and sent[1] == first_high and sent[-1] == 100.0  # no momentum: the whole ladder
+    # A host that reports no momentum (NaN) gets the whole ladder at its first observation.
+    policy = GravacPolicy()
+    policy.expect_momentum()
+    assert _drive_with_momentum(policy, 200, lambda t: math.nan)[-1] == 100.0
+    # Only before the first observation, for the ladder; the paper search and warm-up behave as before.
+    late = GravacPolicy()
+    _drive_with_momentum(late, 3, lambda t: 0.0)
+    before = late.state_dict()
+    late.expect_momentum()
+    assert late.state_dict() == before
+    paper = GravacPolicy(**PAPER)
+    paper.expect_momentum()
+    assert paper.state_dict() == GravacPolicy(**PAPER).state_dict()
+    warm = GravacPolicy(warmup_steps=3)
+    warm.expect_momentum()
+    assert _drive_with_momentum(warm, 40, lambda t: 0.9)[:3] == [1.0] * 3 and warm.summary()["max_cf"] == 10.0

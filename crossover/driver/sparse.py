@@ -80,6 +80,9 @@ class SparseStepDriver:
                  transport: str | None = None) -> None:
         check_transport(transport, none_ok=True)
         self.policy = policy
+        expect = getattr(policy, "expect_momentum", None)
+        if callable(expect):  # every host puts the optimizer's momentum in the statistics (SparseStatsLayout)
+            expect()
         self.seed_check = seed_check  # the payloads carry the seed's fingerprint (the codec's `seed_check`)
         self.transport = transport
         config = getattr(policy, "config", None)

@@ -178,15 +178,36 @@ class GravacPolicy:
             search.observe(stats)
             self._note_momentum(stats.momentum)
 
+    def expect_momentum(self) -> None:
+        """The host reports the optimizer's momentum in every step's statistics (the step drivers do). It arrives
+        one step late, after the first plans: until then the ladder goes no higher than cf_min, the cap of the
+        commonest momentum (0.9), so that no step goes out above a cap not yet seen. The first statistics then set
+        the cap (no momentum: the whole ladder, searched from its top). Only before the first observation."""
+        search = self._search
+        if not isinstance(search, LadderSearch) or self._step > 0 or self._momentum is not None:
+            return
+        top = min(1, len(self._rungs) - 1)  # rung 1 is cf_min (rung 0 is dense)
+        if search.s.top == top:
+            return
+        self._search = search = self._new_search()
+        search.s.top = top
+        if self._warmup == 0:
+            search.first_search()
+
     def _note_momentum(self, m: float) -> None:
         """Ladder: the optimizer's momentum caps the CF (``ladder.momentum_cap``); a new value moves the cap."""
-        if not (math.isfinite(m) and 0.0 <= m < 1.0) or m == self._momentum:
+        assert isinstance(self._search, LadderSearch)
+        if not (math.isfinite(m) and 0.0 <= m < 1.0):
+            full = len(self._rungs) - 1
+            if self._momentum is None and self._search.s.top < full:  # expect_momentum's cap, and none came
+                self._search.set_top(full, why="no optimizer momentum reported: the whole ladder")
+            return
+        if m == self._momentum:
             return
         self._momentum = m
         c = self._config
         cap = momentum_cap(c["cf_min"], c["cf_max"], m) * (1.0 + 1e-6)  # the reduced mean is float32
         top = max(i for i, cf in enumerate(self._rungs) if cf <= cap or i <= 1)
-        assert isinstance(self._search, LadderSearch)
         if top != self._search.s.top:
             log.info("step %d: optimizer momentum %.3g: the ladder stops at CF %g", self._step, m, self._rungs[top])
         self._search.set_top(top, why=f"momentum {m:.3g} caps the CF at {self._rungs[top]:g}")
