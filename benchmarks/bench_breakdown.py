@@ -195,7 +195,7 @@ class Method:
         net = torch.nn.parallel.DistributedDataParallel(self.model)
         if arg != "none":
             if arg == "adaptive":
-                self.state = AdaptiveState()
+                self.state = AdaptiveState(momentum=0.0)  # the optimizer's (plain SGD), as a DDP user says it
             else:
                 cname, _, cf = arg.partition(":")
                 self.state = AdaptiveState(policy="static", cf=float(cf), compressor=cname)

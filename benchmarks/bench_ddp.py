@@ -15,7 +15,7 @@ in a job of its own afterwards (Horovod's hook times steps by wall clock).
   fp16           DDP with PyTorch's fp16_compress_hook
   powersgd1/4    DDP with PyTorch's powerSGD_hook, rank 1 / 4, one bucket (it fails on Gloo with several),
                  vanilla allreduce for the first 10 % of the steps (--powersgd-start; PyTorch's advice)
-  adaptive       DDP with crossover's adaptive_hook, AdaptiveState() defaults (GraVAC)
+  adaptive       DDP with crossover's adaptive_hook, AdaptiveState(momentum=0) (GraVAC defaults; plain SGD)
   adaptive-demo  the same with GraVAC's paper search and hand-tuned settings (cf_min 30, epsilon 0.15,
                  window 100: the defaults before issue 12), for comparison only; not in the default list
   hvd-adaptive   Horovod DistributedOptimizer with crossover's AdaptiveCompression() defaults
@@ -200,9 +200,9 @@ def _ddp_method(name: str, model: Any, cfg: dict[str, Any]) -> _Method:
                                             start_powerSGD_iter=max(2, int(cfg["powersgd_start"])))
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif name == "adaptive":
-        state = AdaptiveState(clock=clock)
+        state = AdaptiveState(clock=clock, momentum=0.0)  # the optimizer's momentum (plain SGD), as DDP users say it
     elif name == "adaptive-demo":
-        state = AdaptiveState(clock=clock, **DEMO_GRAVAC)
+        state = AdaptiveState(clock=clock, momentum=0.0, **DEMO_GRAVAC)
     elif name.startswith("topk100"):
         state = AdaptiveState(policy="static", cf=100, gather="counts" if name.endswith("counts") else "pad",
                               clock=clock)

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.wire import SparseStatsLayout, shared_seed
-from crossover.driver import CfPolicy, SparseStepDriver, check_momentum, gravac_or_dense
+from crossover.driver import CfPolicy, SparseStepDriver, check_momentum, gravac_or_dense, reported_momentum
 from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name, tracing_function
@@ -102,7 +102,7 @@ class _SparseCompression(TFHookBase):
                  seed: int, log_csv: str | None, passthrough: bool = False, tensorboard: Any = None,
                  momentum: float | None = None) -> None:
         # the optimizer's momentum, in the statistics: the policy caps the CF by it (a tape does not see the optimizer)
-        self.momentum = check_momentum(momentum) or 0.0
+        self.momentum = reported_momentum(check_momentum(momentum))  # unset: UNKNOWN_MOMENTUM (0.9), the safe side
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)} with horovod.tensorflow "
                              f"(dgc and redsync have torch kernels only); got {compressor!r}")
@@ -297,8 +297,9 @@ class GravacCompression(_SparseCompression):
     Same settings as the torch object (docs/compression.md); `compressor` is "topk" (exact top-k,
     allgather) or "randomk" (shared seed, allreduce). `enabled=False`: Horovod's dense path, untouched
     (nothing is logged then). `tensorboard`: a directory (rank 0 writes) or a writer with add_scalar.
-    `momentum`: your optimizer's SGD momentum (a tape does not see the optimizer); the policy caps the
-    compression by it (docs/accuracy.md).
+    `momentum`: your optimizer's SGD momentum or Adam's beta1, 0 for none (a tape does not see the optimizer);
+    the policy caps the compression by it; unset, it assumes 0.9 (`crossover.driver.UNKNOWN_MOMENTUM`: the CF
+    stays where the commonest recipes keep accuracy) (docs/accuracy.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,

@@ -356,18 +356,24 @@ def test_defaults_digits_within_one_point(digits_results):
 
 
 def job_digits_defaults(epochs: int, hidden: int) -> dict:
-    """Digits: DDP dense, then the hook with AdaptiveState() defaults."""
-    state = AdaptiveState()
+    """Digits: DDP dense, then the hook with the defaults told the optimizer's momentum (plain SGD: 0), then, for
+    two epochs, with nothing said (the hook assumes momentum 0.9, UNKNOWN_MOMENTUM)."""
+    state = AdaptiveState(momentum=0.0)
     trace: list[float] = []
+    unset = AdaptiveState()
+    unset_trace: list[float] = []
     return {"dense": _digits_run(None, epochs, hidden),
             "defaults": _digits_run(state, epochs, hidden, on_step=lambda: trace.append(state.driver.current.sent_cf)),
-            "trace": trace}
+            "trace": trace,
+            "unset": _digits_run(unset, 2, hidden, on_step=lambda: unset_trace.append(unset.driver.current.sent_cf)),
+            "unset_trace": unset_trace}
 
 
 @pytest.mark.netem
 def test_defaults_compress_10x_within_a_point_on_a_slow_link():
-    """`AdaptiveState()` as the README shows it, two ranks sharing an emulated 100 Mbit/s medium (a shaped
-    namespace; root needed): compression pays there, so the defaults must find it."""
+    """`AdaptiveState(momentum=...)` as the README shows it, two ranks sharing an emulated 100 Mbit/s medium (a
+    shaped namespace; root needed): compression pays there, so the defaults must find it. Unset, the momentum is
+    taken as 0.9: no step goes above CF 10, and CF 10 is still found."""
     from benchmarks import netem
 
     reason = netem.netem_unavailable_reason()
@@ -380,6 +386,7 @@ def test_defaults_compress_10x_within_a_point_on_a_slow_link():
         assert ours["accuracy"] >= dense["accuracy"] - 0.01, (ours["accuracy"], dense["accuracy"])
         assert ours["stats"]["bytes_dense"] >= 10 * ours["stats"]["bytes_sent"], ours["stats"]
     assert res[0]["trace"] == res[1]["trace"]  # every rank decided the same on every step
+    assert res[0]["unset_trace"] == res[1]["unset_trace"] and max(res[0]["unset_trace"]) == 10.0
 
 
 def test_resumed_run_continues_the_same_schedule():

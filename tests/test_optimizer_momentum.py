@@ -33,3 +33,16 @@ def test_the_largest_group_counts_and_odd_values_are_ignored():
     opt.param_groups[0]["momentum"] = 1.5
     assert optimizer_momentum(opt) == 0.0
     assert optimizer_momentum(object()) == 0.0
+
+
+
+def test_hosts_that_cannot_see_the_optimizer_assume_the_commonest_momentum():
+    # A DDP hook and a gradient tape report UNKNOWN_MOMENTUM unless told (tests/test_ddp_hook.py runs it in a real
+    # job): uncapped, the commonest recipes (SGD momentum 0.9, Adam's beta1 0.9) lost 2 points; momentum=0 is how a
+    # plain-SGD user lifts the cap.
+    from crossover.adaptive.gravac.ladder import momentum_cap
+    from crossover.driver import UNKNOWN_MOMENTUM, reported_momentum
+
+    assert reported_momentum(None) == UNKNOWN_MOMENTUM == 0.9
+    assert reported_momentum(0.0) == 0.0 and reported_momentum(0.5) == 0.5
+    assert momentum_cap(10.0, 100.0, reported_momentum(None)) == pytest.approx(10.0)

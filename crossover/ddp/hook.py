@@ -47,6 +47,7 @@ from crossover.compression.selectors import make_selector
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import (
     DEFAULT_TRANSPORT,
+    UNKNOWN_MOMENTUM,
     CfPolicy,
     QuantStepDriver,
     SparseStepDriver,
@@ -55,6 +56,7 @@ from crossover.driver import (
     dqsgd_settings,
     gravac_or_dense,
     lr_at,
+    reported_momentum,
 )
 from crossover.driver.records import check_int
 
@@ -118,7 +120,7 @@ class _SparseEngine(_CodecEngine):
             self._rebuilds_seen = self.layouts.rebuilds
             self.codec.forget_agreed()
         return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm,
-                                 momentum=self.momentum or 0.0)
+                                 momentum=reported_momentum(self.momentum))
 
     def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
         out, stats = self.codec.decode(reduced, ctx, self.comm)
@@ -229,9 +231,10 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
     if momentum is None and enabled:
-        log.info("crossover.ddp: AdaptiveState(momentum=None): a DDP hook cannot read the optimizer's momentum; "
-                 "pass momentum=<your SGD momentum, or Adam's beta1> so that the policy caps the compression by it "
-                 "(docs/accuracy.md)")
+        log.info("crossover.ddp: AdaptiveState(momentum=None): a DDP hook cannot read the optimizer's momentum, so the "
+                 "policy assumes %g (SGD momentum or Adam's beta1: the compression is capped where that keeps "
+                 "accuracy); pass momentum=<your optimizer's>, 0 for none, to cap by it (docs/accuracy.md)",
+                 UNKNOWN_MOMENTUM)
     return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
                          clock=clock, transport=transport, momentum=momentum)
@@ -296,7 +299,8 @@ class AdaptiveState:
       ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
       difference between two step starts; a clock that stops while the process does other work between
       steps, such as evaluation, keeps that work out of the throughput GraVAC compares), ``momentum`` (your
-      optimizer's SGD momentum: a DDP hook cannot read it, and the policy caps the compression by it),
+      optimizer's SGD momentum or Adam's beta1, 0 for none: a DDP hook cannot read it, and the policy caps the
+      compression by it; unset, it assumes 0.9, ``crossover.driver.UNKNOWN_MOMENTUM``),
       ``transport`` (rank-specific compressors: "allgather", the default, each rank's own pairs; opt-in
       "agreed", values at an index set agreed the step before, or "auto", the cheaper of the two by the cost
       model and measured step times; docs/scaling.md).

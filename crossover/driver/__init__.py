@@ -9,6 +9,7 @@ from crossover.driver.quant import QuantStepDriver
 from crossover.driver.records import StepRecord
 from crossover.driver.settings import (
     DQSGD_PARAMS,
+    UNKNOWN_MOMENTUM,
     GradientKeys,
     check_min_numel,
     check_momentum,
@@ -16,10 +17,11 @@ from crossover.driver.settings import (
     gravac_or_dense,
     lr_at,
     optimizer_momentum,
+    reported_momentum,
 )
 from crossover.driver.sparse import DEFAULT_TRANSPORT, TRANSPORTS, CfPolicy, SparseStepDriver, check_transport
 from crossover.driver.steplog import StepLog
 
-__all__ = ["DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "CfPolicy", "GradientKeys", "QuantStepDriver",
-           "SparseStepDriver", "StepLog", "StepRecord", "check_min_numel", "check_momentum", "check_transport",
-           "dqsgd_settings", "gravac_or_dense", "lr_at", "optimizer_momentum"]
+__all__ = ["DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "UNKNOWN_MOMENTUM", "CfPolicy", "GradientKeys",
+           "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord", "check_min_numel", "check_momentum",
+           "check_transport", "dqsgd_settings", "gravac_or_dense", "lr_at", "optimizer_momentum", "reported_momentum"]

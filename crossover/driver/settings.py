@@ -9,8 +9,8 @@ from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.compression.checks import check_flag
 from crossover.driver.sparse import CfPolicy
 
-__all__ = ["DQSGD_PARAMS", "GradientKeys", "check_min_numel", "check_momentum", "dqsgd_settings", "gravac_or_dense",
-           "lr_at", "optimizer_momentum"]
+__all__ = ["DQSGD_PARAMS", "UNKNOWN_MOMENTUM", "GradientKeys", "check_min_numel", "check_momentum", "dqsgd_settings",
+           "gravac_or_dense", "lr_at", "optimizer_momentum", "reported_momentum"]
 
 
 class GradientKeys:
@@ -42,6 +42,17 @@ def check_min_numel(min_compress_numel: object) -> int:
     if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 1:
         raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
     return min_compress_numel
+
+
+#: The momentum a host that cannot see the optimizer (a DDP hook, a gradient tape) reports when ``momentum=`` is not
+#: given: SGD's 0.9 and Adam's beta1 0.9 are the commonest recipes, and uncapped they lost 2 points (docs/accuracy.md).
+UNKNOWN_MOMENTUM = 0.9
+
+
+def reported_momentum(setting: float | None) -> float:
+    """The momentum a host that cannot read the optimizer reports: its ``momentum=`` setting, else
+    ``UNKNOWN_MOMENTUM`` (the safe side: the CF stays where momentum 0.9 keeps accuracy; ``momentum=0`` lifts it)."""
+    return UNKNOWN_MOMENTUM if setting is None else float(setting)
 
 
 def check_momentum(momentum: object) -> float | None:
