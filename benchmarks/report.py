@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 log = logging.getLogger(__name__)
 
 __all__ = ["summarize", "write_run", "plot_run", "plot_timeline", "compare", "time_to", "load_results",
-           "final_value", "method_targets", "FINAL_WINDOW"]
+           "final_value", "kept_accuracy_oracle", "method_targets", "FINAL_WINDOW"]
 
 STEP_FIELDS = ("step", "epoch", "t", "step_s", "data_s", "loss", "bytes_sent", "bytes_dense", "cf", "bits", "lr")
 EPOCH_FIELDS = ("epoch", "step", "train_s", "wall_s", "eval_s", "eval_loss", "accuracy", "top5", "perplexity",
@@ -429,6 +429,9 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
             lines += ["| target | measured |", "|---|---|"]
             lines += [f"| {c['target']} | {c['measured']} ({_verdict(c['pass'])}) |" for c in checks]
             lines.append("")
+            kept = kept_accuracy_oracle(grp, judge)
+            if kept is not None:
+                lines += [kept, ""]
     table = "\n".join(lines)
     files = [out / "compare.md", out / "compare.json"]
     files[0].write_text(table + "\n")
@@ -517,6 +520,39 @@ def method_targets(rows: Sequence[dict[str, Any]], method: str = "gravac") -> li
         out.append({"target": name, "measured": f"{t / t_oracle:.2f}x ({t:.1f} s against {t_oracle:.1f} s)",
                     "pass": t <= ORACLE_RATIO * t_oracle, "ratio": t / t_oracle})
     return out
+
+
+def _within_bound(row: dict[str, Any], dense: dict[str, Any]) -> bool | None:
+    """Target (a)'s rule for any method: its median final within dense's seed-to-seed spread or 0.5 point (None:
+    no figure, or fewer than MIN_SEEDS seeds)."""
+    d_med, m_med, spread = dense.get("final_metric"), row.get("final_metric"), dense.get("dense_spread")
+    if d_med is None or m_med is None or spread is None or min(row["seeds"], dense["seeds"]) < MIN_SEEDS:
+        return None
+    if row["metric"] == "perplexity":
+        return m_med / d_med - 1.0 <= max(spread / d_med, ACCURACY_FLOOR)
+    return m_med - d_med >= -max(spread, ACCURACY_FLOOR)
+
+
+def kept_accuracy_oracle(rows: Sequence[dict[str, Any]], method: str = "gravac") -> str | None:
+    """Context beside target (b), not a target: the fastest static choice that also ended within target (a)'s bound
+    of dense (a fixed choice that loses the model is no choice), and ``method``'s time against it."""
+    by = {r["method"]: r for r in rows}
+    g, dense = by.get(method), by.get("none")
+    if g is None or dense is None:
+        return None
+    kept = {r["method"]: r["time_to_dense_final_s"] for r in rows if r["method"].startswith(STATIC_PREFIXES)
+            and r["time_to_dense_final_s"] is not None and _within_bound(r, dense)}
+    lost = sorted(r["method"] for r in rows if r["method"].startswith(STATIC_PREFIXES)
+                  and _within_bound(r, dense) is False)
+    text = ("Context (not a target): static choices that ended outside that accuracy bound: "
+            f"{', '.join(lost) or 'none'}; ")
+    if not kept:
+        return text + "no static choice both kept accuracy and reached the target."
+    best = min(kept, key=kept.get)
+    t, tb = g.get("time_to_dense_final_s"), kept[best]
+    mine = f"{t / tb:.2f}x ({t:.1f} s against {tb:.1f} s)" if t is not None and tb else "not reached in every run"
+    return text + f"the fastest that kept it: {best}; {'AdaptiveCompression()' if method == 'gravac' else method} " \
+                  f"took {mine}."
 
 
 def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], list[dict[str, Any]]],
