@@ -557,3 +557,29 @@ except xt.KerasVersionError as exc:
                           env={**env, **QUIET}, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "TF_USE_LEGACY_KERAS=1" in proc.stdout and "tf-keras" in proc.stdout
+
+
+def momentum_default_job():
+    """The defaults, told nothing and told momentum=0: what cap each ends with, and the highest CF sent."""
+    from crossover.tensorflow import AdaptiveCompression
+
+    out = {}
+    for label, comp in (("unset", AdaptiveCompression(min_compress_numel=1024)),
+                        ("plain_sgd", AdaptiveCompression(min_compress_numel=1024, momentum=0))):
+        highest = 1.0
+        for step in range(8):
+            _reduce_eager(comp, _rank_grad(step))
+            highest = max(highest, float(comp.stats()["compression_factor"]))
+        st = comp.stats()
+        out[label] = {"max_cf": st["policy/max_cf"], "momentum": st["policy/momentum"], "highest": highest}
+    return out
+
+
+def test_a_tape_told_nothing_assumes_momentum_0_9_and_momentum_0_lifts_the_cap():
+    # A tape does not see the optimizer: unset, the TF object reports UNKNOWN_MOMENTUM (0.9) and the same policy code
+    # as the torch object caps the CF at 10 from the first step; momentum=0 gives the whole ladder (CF 100).
+    r0, r1 = run_tf(momentum_default_job)
+    assert r0 == r1
+    assert r0["unset"]["max_cf"] == 10.0 and r0["unset"]["momentum"] == pytest.approx(0.9)
+    assert r0["unset"]["highest"] <= 10.0
+    assert r0["plain_sgd"]["max_cf"] == 100.0 and r0["plain_sgd"]["momentum"] == 0.0
