@@ -9,7 +9,9 @@ This is how docs/accuracy.md chose the momentum cap of the defaults; tests/test_
     python -m benchmarks.accuracy_curves --methods dense,topk:10,topk:100,gravac --seeds 0 1 2 --momentum 0.9
     python -m benchmarks.accuracy_curves --optimizer adam --lr 0.001 --methods dense,topk:100
 
-Methods: ``dense``, ``topk:CF`` (StaticCompression("topk", cf=CF)), ``gravac`` (AdaptiveCompression()).
+Methods: ``dense``, ``topk:CF`` (StaticCompression("topk", cf=CF)), ``gravac`` (AdaptiveCompression()), and
+``topk:A>B@F`` (a schedule, for studying rules: top-k at CF A for the first fraction F of the steps, then at CF B;
+every rank switches on the same step).
 Loopback only (no emulated link): accuracy does not depend on the link, but the defaults' choice does, so a
 ``gravac`` run here shows what they keep at the CF they chose on this machine (printed as ``max/last CF``).
 """
@@ -38,10 +40,22 @@ def _compression(name: str, min_compress_numel: int) -> Any:
     if name == "dense":
         return hvd.Compression.none
     if name.startswith("topk:"):
-        return StaticCompression("topk", cf=float(name[5:]), min_compress_numel=min_compress_numel)
+        first = name[5:].split(">")[0]
+        return StaticCompression("topk", cf=float(first), min_compress_numel=min_compress_numel)
     if name == "gravac":
         return AdaptiveCompression(min_compress_numel=min_compress_numel)
     raise ValueError(f"unknown method {name!r}: dense, topk:CF or gravac")
+
+
+def _switch(name: str, total: int) -> tuple[int, float] | None:
+    """``topk:A>B@F``: (the step after which CF B is sent, B); None for any other method."""
+    if not name.startswith("topk:") or ">" not in name:
+        return None
+    _, _, rest = name.partition(">")
+    cf, _, frac = rest.partition("@")
+    if not frac or not 0.0 < float(frac) < 1.0 or float(cf) < 1.0:
+        raise ValueError(f"method {name!r}: expected topk:A>B@F with CFs >= 1 and 0 < F < 1")
+    return int(float(frac) * total), float(cf)
 
 
 def _optimizer(params: Any, optimizer: str, lr: float, momentum: float) -> torch.optim.Optimizer:
@@ -84,6 +98,7 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
         with torch.no_grad():
             return float((model(xte).argmax(1) == yte).float().mean())
 
+    switches = {name: sw for name in methods if (sw := _switch(name, total)) is not None}
     step = 0
     highest_sent = 1.0  # the highest CF the defaults sent on any step (the cap must hold from the first)
     for _ in range(epochs):
@@ -97,6 +112,11 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
                 if name == "gravac":
                     highest_sent = max(highest_sent, float(comps[name].driver.current.sent_cf))
             step += 1
+            for name, (at, cf) in switches.items():
+                if step == at:  # the same step on every rank: the next plan sends the new CF
+                    from crossover.adaptive.static import StaticPolicy
+
+                    comps[name].driver.policy = StaticPolicy(cf=cf)
             if step > window_from:
                 for name in methods:
                     window[name].append(accuracy(models[name]))
