@@ -297,7 +297,8 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         "ddp", "PyTorch DDP communication hooks at 1 Gbit/s, 2 emulated hosts",
         "The digits MLP (width 4: 4.3 M parameters) trained by PyTorch DDP with no hook (dense), PyTorch's "
         "fp16_compress_hook and powerSGD_hook (rank 1 and 4, one bucket, vanilla allreduce for the first 10 % "
-        "of the steps), crossover's adaptive_hook with AdaptiveState() defaults and with static top-k 100, "
+        "of the steps), crossover's adaptive_hook with the defaults told the plain SGD's momentum "
+        "(AdaptiveState(momentum=0)) and with static top-k 100, "
         "and Horovod with AdaptiveCompression() defaults: same task, link, epochs and "
         "learning rate (SGD 0.2); the DDP methods train side by side in one job. "
         "Wire bytes are measured on the emulated links; the target is DDP dense's final accuracy, checked once "
