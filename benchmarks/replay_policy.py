@@ -52,7 +52,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
     """The rows of a policy CSV; ValueError if its header is not the one ``StepLog`` writes."""
     with path.open(newline="") as fh:
         reader = csv.DictReader(fh)
-        missing = [c for c in StepLog.HEADER if c not in (reader.fieldnames or ())]
+        missing = [c for c in StepLog.HEADER if c not in (reader.fieldnames or ()) and c not in StepLog.ADDED_LATER]
         if missing:
             raise ValueError(f"{path}: not a policy CSV written by AdaptiveCompression(log_csv=...): "
                              f"missing columns {', '.join(missing)}")
@@ -69,7 +69,7 @@ def replay(rows: Sequence[dict[str, str]], settings: dict[str, Any] | None = Non
         raise ValueError("only the ladder search (the default) is replayed: the paper search's plans probe "
                          "CFs the CSV does not record")
     policy = GravacPolicy(**settings)
-    policy.expect_momentum()  # as the step driver does; the CSV has no momentum column, so no cap follows
+    policy.expect_momentum()  # as the step driver does; the `momentum` column then caps it (older logs: no cap)
     replayed = []
     for i in range(len(rows)):
         stats = StepLog.row_stats(rows[i - 2]) if i >= 2 else None

@@ -384,8 +384,8 @@ def test_csv_per_rank_never_mixed_stable_header_and_step_count(misuse_results):
         assert c["untouched"] and c["path"] == f"log.rank{rank}.1.csv"
         assert c["header"] == ["step", "sent_cf", "step_time_s", "bytes_sent", "bytes_dense", "probe1_cf",
                                "probe1_gain", "probe2_cf", "probe2_gain", "skipped", "grad_sq", "acc_sq",
-                               "probe1_sq", "probe2_sq"]
-        assert c["widths"] == [14] and c["rows"] == 38 and len(set(c["cfs"]) - {""}) >= 2  # the CF changed
+                               "probe1_sq", "probe2_sq", "momentum"]
+        assert c["widths"] == [15] and c["rows"] == 38 and len(set(c["cfs"]) - {""}) >= 2  # the CF changed
         assert c["norms_ok"]  # the squared norms behind each gain are logged too
         assert c["half_step"] == 4
 

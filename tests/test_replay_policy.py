@@ -18,7 +18,7 @@ def _step_time(cf: float, t: int) -> float:
     return base * (1.4 if t >= 60 else 1.0) * (1.0 + 0.05 * math.sin(1.7 * t))
 
 
-def record_run(path: Path, steps: int = 160) -> list[float]:
+def record_run(path: Path, steps: int = 160, momentum: float = 0.0) -> list[float]:
     """Drive GravacPolicy through SparseStepDriver (one rank) as the glue does, with its CSV log; return the
     CFs sent. The residual of CF 100 builds over each stretch at that CF (its gain rises to 0.8)."""
     driver = SparseStepDriver(GravacPolicy(), compressor="topk", seed=0, log_csv=str(path))
@@ -31,7 +31,7 @@ def record_run(path: Path, steps: int = 160) -> list[float]:
         gain = 1.0 if cf != 100.0 else min(0.8, 0.45 + 0.08 * since)
         probe_sq = [(2.0 * gain) ** 2 for _ in rec.probes]
         driver.add_reduced(driver.layout.local(step_time=driver.last_step_time, grad_sq=4.0, acc_sq=5.0,
-                                               probe_sq=probe_sq), world=1)
+                                               probe_sq=probe_sq, momentum=momentum), world=1)
         driver.count(1000 // int(cf), 1000)
         now += _step_time(cf, t)
     driver.begin_step(now)  # finishes the last step: its statistics reach the log
@@ -84,3 +84,15 @@ def test_a_file_that_is_not_a_policy_csv_is_refused(tmp_path: Path) -> None:
     bad.write_text("step,epoch,t\n1,1,0.3\n")
     with pytest.raises(ValueError, match="missing columns"):
         replay_policy.read_rows(bad)
+
+
+def test_the_momentum_column_replays_the_cap_and_older_logs_still_load(tmp_path: Path) -> None:
+    sent = record_run(tmp_path / "policy.csv", momentum=0.9)
+    assert max(sent) == 10.0  # the optimizer's momentum capped the run from its first step
+    rows = replay_policy.read_rows(tmp_path / "policy.rank0.csv")
+    assert {r["momentum"] for r in rows} == {repr(0.9)}
+    result = replay_policy.replay(rows)
+    assert result.diverges_at is None and result.replayed == sent[:len(rows)]
+    # a log written before the column existed: it loads, and replays as a run that reported no momentum
+    old = [{k: v for k, v in r.items() if k != "momentum"} for r in rows]
+    assert max(replay_policy.replay(old).replayed) == 100.0

@@ -63,11 +63,14 @@ class StepLog:
     * The squared norms the gains come from, summed over ranks and tensors (`grad_sq` = ||g||^2,
       `acc_sq` = ||g + e||^2, `probe1_sq`, `probe2_sq` = ||C_cf(g + e)||^2): `probeN_gain` is the "norm"
       definition, sqrt(probeN_sq / acc_sq); the default "delivered" gain is min(1, sqrt(probeN_sq / grad_sq)).
-      A policy's decisions can be replayed from these columns.
+    * `momentum`: the optimizers' momentum the step's statistics carried (mean over ranks; empty when not
+      reported), which caps the ladder. A policy's decisions can be replayed from these columns.
     """
 
     HEADER = ("step", "sent_cf", "step_time_s", "bytes_sent", "bytes_dense", "probe1_cf", "probe1_gain",
-              "probe2_cf", "probe2_gain", "skipped", "grad_sq", "acc_sq", "probe1_sq", "probe2_sq")
+              "probe2_cf", "probe2_gain", "skipped", "grad_sq", "acc_sq", "probe1_sq", "probe2_sq", "momentum")
+    #: columns added since the first logs: a file without them still replays (the momentum then reads as unreported)
+    ADDED_LATER = ("momentum",)
     MAX_PROBES = 2
     _file: io.FileIO | None = None  # the open log (a class default: __del__ after a refused construction)
 
@@ -180,6 +183,8 @@ class StepLog:
             return None
         probes = tuple(float(row[f"probe{i}_cf"]) for i in range(1, cls.MAX_PROBES + 1) if row[f"probe{i}_cf"] != "")
         rec = StepRecord(step=int(row["step"]), sent_cf=float(row["sent_cf"]), probes=probes)
+        if row.get("momentum") not in (None, ""):
+            rec.momentum = float(row["momentum"])
         if row["grad_sq"] != "":  # written only for a measured step
             rec.grad_sq, rec.acc_sq = float(row["grad_sq"]), float(row["acc_sq"])
             rec.probe_sq = [float(row[f"probe{i}_sq"]) for i in range(1, len(probes) + 1)]
@@ -201,6 +206,7 @@ class StepLog:
         norms = [repr(float(v)) for v in norms] + [""] * (2 + self.MAX_PROBES - len(norms))
         try:
             self._write_row([step, rec.sent_cf, f"{step_time:.6f}", rec.bytes_sent, rec.bytes_dense,
-                             *probes, int(rec.skipped), *norms])
+                             *probes, int(rec.skipped), *norms,
+                             "" if rec.momentum is None else repr(float(rec.momentum))])
         except OSError as exc:
             self._stop(exc)
