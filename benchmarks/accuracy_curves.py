@@ -98,6 +98,8 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
         with torch.no_grad():
             return float((model(xte).argmax(1) == yte).float().mean())
 
+    from crossover.adaptive.static import StaticPolicy
+
     switches = {name: sw for name in methods if (sw := _switch(name, total)) is not None}
     step = 0
     highest_sent = 1.0  # the highest CF the defaults sent on any step (the cap must hold from the first)
@@ -114,8 +116,6 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
             step += 1
             for name, (at, cf) in switches.items():
                 if step == at:  # the same step on every rank: the next plan sends the new CF
-                    from crossover.adaptive.static import StaticPolicy
-
                     comps[name].driver.policy = StaticPolicy(cf=cf)
             if step > window_from:
                 for name in methods:

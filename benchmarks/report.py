@@ -494,10 +494,7 @@ def method_targets(rows: Sequence[dict[str, Any]], method: str = "gravac") -> li
     if d_med is None or g_med is None or spread is None:
         out.append({"target": name, "measured": "no final figure", "pass": False})
     else:
-        rel = spread / d_med if ppl else spread
-        bound = max(rel, ACCURACY_FLOOR)
-        gap = (g_med / d_med - 1.0) if ppl else (g_med - d_med)
-        ok = (gap <= bound) if ppl else (gap >= -bound)
+        gap, bound, ok = _accuracy_gap(g_med, d_med, spread, ppl)
         seeds = min(g["seeds"], dense["seeds"])
         unit = "%" if ppl else "points"
         measured = (f"{g_med:.4g} ({g['final_min']:.4g}..{g['final_max']:.4g}) against dense {d_med:.4g} "
@@ -522,15 +519,20 @@ def method_targets(rows: Sequence[dict[str, Any]], method: str = "gravac") -> li
     return out
 
 
+def _accuracy_gap(m_med: float, d_med: float, spread: float, ppl: bool) -> tuple[float, float, bool]:
+    """Target (a)'s rule: (gap to dense, bound, within it); the bound is dense's seed-to-seed spread or 0.5 point
+    (perplexity: relative, 0.5 %), whichever is larger; being better than dense is within it."""
+    bound = max(spread / d_med if ppl else spread, ACCURACY_FLOOR)
+    gap = (m_med / d_med - 1.0) if ppl else (m_med - d_med)
+    return gap, bound, (gap <= bound) if ppl else (gap >= -bound)
+
+
 def _within_bound(row: dict[str, Any], dense: dict[str, Any]) -> bool | None:
-    """Target (a)'s rule for any method: its median final within dense's seed-to-seed spread or 0.5 point (None:
-    no figure, or fewer than MIN_SEEDS seeds)."""
+    """Target (a)'s rule for any method (None: no figure, or fewer than MIN_SEEDS seeds)."""
     d_med, m_med, spread = dense.get("final_metric"), row.get("final_metric"), dense.get("dense_spread")
     if d_med is None or m_med is None or spread is None or min(row["seeds"], dense["seeds"]) < MIN_SEEDS:
         return None
-    if row["metric"] == "perplexity":
-        return m_med / d_med - 1.0 <= max(spread / d_med, ACCURACY_FLOOR)
-    return m_med - d_med >= -max(spread, ACCURACY_FLOOR)
+    return _accuracy_gap(m_med, d_med, spread, row["metric"] == "perplexity")[2]
 
 
 def kept_accuracy_oracle(rows: Sequence[dict[str, Any]], method: str = "gravac") -> str | None:
