@@ -26,6 +26,7 @@ LABELS = {
     cm.ALLGATHER: "top-k, allgather of pairs",
     cm.ALLREDUCE: "random-k, shared seed",
     cm.AGREED: "agreed top-k (this project)",
+    cm.SCATTER: "top-k, sparse reduce-scatter (this project)",
     cm.GTOPK: "gTop-k tree (modelled)",
     cm.OKTOPK: "Ok-Topk bound (modelled)",
     cm.POWERSGD: "PowerSGD, 2 allreduces (modelled)",
@@ -99,7 +100,7 @@ def plot(path: Path, data: list[dict[str, object]], link: cm.Link, params: int, 
     for kind in cm.MODELLED:
         xs = [d["world"] for d in data if d["kind"] == kind]
         style = "--" if kind in (cm.GTOPK, cm.OKTOPK, cm.POWERSGD) else "-"
-        width = 2.5 if kind == cm.AGREED else 1.3
+        width = 2.5 if kind in (cm.AGREED, cm.SCATTER) else 1.3
         axes[0].plot(xs, [d["bytes"] / 1e6 for d in data if d["kind"] == kind], style, lw=width, marker="o",
                      ms=3, label=LABELS[kind])
         axes[1].plot(xs, [1e3 * d["time_s"] for d in data if d["kind"] == kind], style, lw=width, marker="o",

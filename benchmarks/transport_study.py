@@ -19,7 +19,10 @@ Candidates (all keep error feedback for everything not sent):
 * ``leader``: ScaleCom's cyclic local top-k (Chen et al., NeurIPS 2020) one step late: the set is the top-k of
   one rank's predicted accumulator, the rank changing every step (bytes: a broadcast of k indices);
 * ``reduced``: no proposals: half the set from the largest entries of the previous step's averaged gradient
-  (identical on every rank), half drawn from the shared seed.
+  (identical on every rank), half drawn from the shared seed;
+* ``scatter``: the codec's ``SCATTER`` transport, a sparse reduce-scatter (``crossover/compression/scatter.py``):
+  each rank's top-k pairs to their indices' owners by alltoall, each owner's ceil(k/W) largest sums by allgather
+  (the ranks decode in threads: the allgather starts inside decode).
 
     python -m benchmarks.transport_study --ranks 2 8 --seeds 0 1 2 --out docs/transport-study.md
 """
@@ -31,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +116,7 @@ CANDIDATES: dict[str, tuple[str, type[SparseCodec], str | None]] = {
     "agreed-eighth": ("topk", _Eighth, cost_model.AGREED),
     "leader": ("topk", _Leader, cost_model.AGREED),
     "reduced": ("topk", _Reduced, cost_model.AGREED),
+    "scatter": ("topk", SparseCodec, cost_model.SCATTER),
 }
 
 
@@ -123,6 +128,11 @@ def _bytes(label: str, ctx: transport.SparseCtx | None, numel: int, world: int) 
         return cost_model.transport_cost(cost_model.ALLREDUCE, numel, ctx.k, world, ctx.nstats).bytes
     if ctx.kind == transport.GATHER:
         return cost_model.transport_cost(cost_model.ALLGATHER, numel, ctx.idx.numel(), world, ctx.nstats).bytes
+    if ctx.kind == transport.SCATTER:  # the pairs this rank selected (a sampled threshold: about k), the kept sums
+        keep = cost_model.scatter_keep(ctx.k, numel, world)
+        return (cost_model.pairwise_alltoall(cost_model.PAIR_BYTES * ctx.idx.numel(), world)
+                + cost_model.ring_allgather(cost_model.PAIR_BYTES * keep, world)
+                + cost_model.ring_allreduce(4.0 * ctx.nstats, world)).bytes
     values = cost_model.ring_allreduce(4.0 * (ctx.k + cost_model.AGREED_CHECK + ctx.nstats), world).bytes
     if label == "reduced":
         return values
@@ -150,7 +160,8 @@ def run_one(label: str, world: int, seed: int, *, cf: float, epochs: int, width:
     names = [n for n, _ in model.named_parameters()]
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum)
     selector, cls, kind = CANDIDATES[label]
-    group = SimulatedGroup(world)
+    group = SimulatedGroup(world, timeout_s=120.0)
+    pool = ThreadPoolExecutor(world) if kind == cost_model.SCATTER else None  # decodes that wait on each other
     codecs = [cls(selector, error_feedback=True, seed=0) for _ in range(world)]
     views = [group.rank_view(r) for r in range(world)]
     send_cf = 1.0 if label == "dense" else cf
@@ -174,7 +185,12 @@ def run_one(label: str, world: int, seed: int, *, cf: float, epochs: int, width:
                     continue
                 enc = [c.encode(name, grads[r][i], plan, 0.0, views[r]) for r, c in enumerate(codecs)]
                 reduced = torch.stack([e[0] for e in enc]).mean(0)
-                outs = [c.decode(reduced.clone(), enc[r][1], views[r])[0] for r, c in enumerate(codecs)]
+                if pool is None:
+                    outs = [c.decode(reduced.clone(), enc[r][1], views[r])[0] for r, c in enumerate(codecs)]
+                else:
+                    outs = list(pool.map(lambda r, red=reduced, e=enc: codecs[r].decode(red.clone(), e[r][1],
+                                                                                         views[r])[0],
+                                         range(world)))
                 for o in outs[1:]:
                     if not torch.equal(o, outs[0]):
                         raise AssertionError(f"{label}: ranks decoded different gradients for {name}")
@@ -187,6 +203,8 @@ def run_one(label: str, world: int, seed: int, *, cf: float, epochs: int, width:
                     evals.append(float((model(xe).argmax(1) == ye).float().mean()))
     with torch.no_grad():
         evals.append(float((model(xe).argmax(1) == ye).float().mean()))
+    if pool is not None:
+        pool.shutdown()
     return {"label": label, "world": world, "seed": seed, "steps": step, "final_accuracy": statistics.fmean(evals[-5:]),
             "bytes_per_step": statistics.fmean(per_step), "evals": evals}
 

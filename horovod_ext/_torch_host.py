@@ -5,7 +5,8 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * the parameter name and the calling optimizer come from horovod_ext/_internals.py (frames);
 * a step begins at the first `compress` after a `decompress` (or when a name repeats);
 * tensors that are not float32, sparse, or smaller than `min_compress_numel` pass through untouched;
-* collectives a codec issues itself (allgather) go through `HorovodCollectives`, bound to the
+* collectives a codec issues itself (allgather; alltoall for the sparse reduce-scatter) go through
+  `HorovodCollectives`, bound to the
   calling optimizer's process set, and travel in groups (crossover/compression/grouped.py): one allgather
   per group of tensors, planned from the last step's tensors in reverse registration order (as DDP's
   buckets), sent once the group is complete and at the latest before the step's first decompress;
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
@@ -65,6 +68,12 @@ class HorovodCollectives:
             return hvd.allgather_async(tensor, name=name)
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def alltoall_async(self, tensor: torch.Tensor, splits: Sequence[int], name: str) -> Any:
+        """Rows of `tensor` to each rank of the process set, ``splits[r]`` rows to rank r (Horovod's alltoall)."""
+        cut = torch.tensor([int(s) for s in splits], dtype=torch.int32)
+        kw = {} if self.process_set is None else {"process_set": self.process_set}
+        return _Alltoall(hvd.alltoall_async(tensor, splits=cut, name=name, **kw))
+
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
         """Average `tensor` over the process set (out of place; the default optimizer's op and scaling, so
         Horovod fuses it with the gradients of the same cycle)."""
@@ -72,9 +81,20 @@ class HorovodCollectives:
         return hvd.allreduce_async(tensor, name=name, op=hvd.Average, **kw)
 
     def wait(self, handle: Any) -> torch.Tensor:
+        a2a = isinstance(handle, _Alltoall)
+        if a2a:
+            handle = handle.handle
         if self.quiet:
             torch_wait_quietly(handle)  # Horovod's own wait spins a core
-        return hvd.synchronize(handle)
+        out = hvd.synchronize(handle)
+        return out[0] if a2a else out  # an alltoall's synchronize gives (rows, rows received per rank)
+
+
+@dataclass
+class _Alltoall:
+    """Horovod's handle of an alltoall in flight (its synchronize returns a pair)."""
+
+    handle: int
 
 
 class TorchHookBase(metaclass=CompressionType):

@@ -69,11 +69,11 @@ def test_choose_transport():
     assert cm.choose_transport(1000, 1000, 2, False) == cm.DENSE
     assert cm.choose_transport(1000, 10, 2, True) == cm.ALLREDUCE
     assert cm.choose_transport(1000, 10, 2, False) == cm.ALLGATHER
-    assert cm.choose_transport(1000, 10, 2, False, agreed=True) == cm.AGREED
-    assert cm.choose_transport(1000, 10, 2, True, agreed=True) == cm.ALLREDUCE  # shared indices: always allreduce
+    assert cm.choose_transport(1000, 10, 2, False, asked=cm.AGREED) == cm.AGREED
+    assert cm.choose_transport(1000, 10, 2, True, asked=cm.AGREED) == cm.ALLREDUCE  # shared indices: always allreduce
     assert cm.choose_transport(1000, 200, 8, False) == cm.DENSE  # the allgather would send more than dense
-    assert cm.choose_transport(1000, 200, 8, False, agreed=True) == cm.AGREED  # ... the agreed set does not
-    assert cm.choose_transport(1000, 998, 8, False, agreed=True) == cm.DENSE  # k + check floats > n
+    assert cm.choose_transport(1000, 200, 8, False, asked=cm.AGREED) == cm.AGREED  # ... the agreed set does not
+    assert cm.choose_transport(1000, 998, 8, False, asked=cm.AGREED) == cm.DENSE  # k + check floats > n
     with pytest.raises(ValueError):
         cm.choose_transport(0, 1, 2, False)
 

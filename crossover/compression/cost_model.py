@@ -16,12 +16,15 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
   allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 2
-  (``agreed_share``, ``agreed.py``).
+  (``agreed_share``, ``agreed.py``);
+* ``SCATTER``: a sparse reduce-scatter (``scatter.py``): each rank's k pairs go by one alltoall to the ranks that
+  own their indices (about k (W-1)/W pairs received per worker when the indices spread over the owners), then
+  each owner's ``ceil(k / W)`` largest sums by one allgather: about 2 k (W-1)/W pairs per worker, flat in W.
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
 index + an fp32 value (8 bytes). ``FP16`` (Horovod's own cast) and three schemes from the literature that the
 codecs do not implement are modelled too, for the table in docs/scaling.md: ``GTOPK`` (gTop-k, a tree of
-log2 W rounds of k pairs, then the result back down the tree), ``OKTOPK`` (Ok-Topk's bound of 6k(W-1)/W
+log2 W rounds of k pairs, then the result back down the tree), ``OKTOPK`` (Ok-Topk's published bound of 6k(W-1)/W
 pairs, with W-1 + log2 W rounds) and ``POWERSGD`` (two allreduces of k/2 values each, a rank-r factor pair
 holding k elements in all).
 """
@@ -32,22 +35,23 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
-           "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "agreed_proposals", "agreed_share",
-           "allgather_bytes", "allreduce_bytes", "choose_transport", "ring_allgather", "ring_allreduce",
-           "transport_cost"]
+           "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
+           "allgather_bytes", "allreduce_bytes", "choose_transport", "pairwise_alltoall", "ring_allgather",
+           "ring_allreduce", "scatter_keep", "transport_cost"]
 
 DENSE = "dense"  # allreduce of the whole (error-compensated) tensor
 ALLREDUCE = "allreduce"  # allreduce of values at indices every rank shares
 ALLGATHER = "allgather"  # allgather of (index, value) pairs chosen by each rank
 AGREED = "agreed"  # allreduce of values at an index set agreed the step before, allgather of proposals
+SCATTER = "scatter"  # sparse reduce-scatter: pairs to their owners by alltoall, owners' largest sums by allgather
 FP16 = "fp16"  # allreduce of the dense tensor cast to fp16 (Horovod's Compression.fp16)
 GTOPK = "gtopk"  # modelled only: gTop-k tree reduction of k pairs
 OKTOPK = "oktopk"  # modelled only: Ok-Topk's balanced sparse allreduce (its bound)
 POWERSGD = "powersgd"  # modelled only: two allreduces of k/2 values (low-rank factors)
 
 #: The transports the codecs implement, and every modelled one (for the table and plot).
-CODEC_TRANSPORTS = (DENSE, ALLREDUCE, ALLGATHER, AGREED)
-MODELLED = (DENSE, FP16, ALLGATHER, ALLREDUCE, AGREED, GTOPK, OKTOPK, POWERSGD)
+CODEC_TRANSPORTS = (DENSE, ALLREDUCE, ALLGATHER, AGREED, SCATTER)
+MODELLED = (DENSE, FP16, ALLGATHER, ALLREDUCE, AGREED, SCATTER, GTOPK, OKTOPK, POWERSGD)
 
 INDEX_BYTES = 4
 VALUE_BYTES = 4
@@ -122,6 +126,20 @@ def ring_allgather(nbytes_per_rank: float, world: int) -> Cost:
     return Cost(float(world - 1) * nbytes_per_rank, float(world - 1))
 
 
+def pairwise_alltoall(nbytes_per_rank: float, world: int) -> Cost:
+    """An alltoall where every rank sends ``nbytes_per_rank`` spread evenly over the ranks (itself included):
+    ``W-1`` rounds (Gloo's pairwise exchange), each worker receives ``(W-1)/W`` of it."""
+    _check(world, nbytes_per_rank)
+    return Cost(float(world - 1) / world * nbytes_per_rank, float(world - 1))
+
+
+def scatter_keep(k: int, numel: int, world: int) -> int:
+    """Sums each owner keeps in a sparse reduce-scatter of k of ``numel`` elements over ``world`` ranks:
+    ``ceil(k / W)``, at most the ``numel // W`` indices the smallest owner holds (the same on every rank)."""
+    w = max(1, int(world))
+    return max(0, min(-(-int(k) // w), int(numel) // w))
+
+
 def allreduce_bytes(elements: int, world_size: int, width: int = VALUE_BYTES) -> float:
     """Bytes one rank sends (and receives) in a ring allreduce of ``elements`` values of ``width`` bytes."""
     return ring_allreduce(float(elements) * width, world_size).bytes
@@ -157,6 +175,10 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
         values = ring_allreduce(4.0 * (k + AGREED_CHECK + nstats), world)
         m = agreed_proposals(k, numel, world)
         return values + ring_allgather(INDEX_BYTES * m, world) if m else values
+    if kind == SCATTER:  # pairs to their owners, the owners' kept sums to everyone, the statistics by allreduce
+        keep = scatter_keep(k, numel, world)
+        return (pairwise_alltoall(PAIR_BYTES * k, world) + ring_allgather(PAIR_BYTES * keep, world)
+                + ring_allreduce(4.0 * nstats, world))
     levels = math.log2(world) if world > 1 else 0.0
     if kind == GTOPK:  # up a binary tree merging k pairs per round, then the global top-k back down
         return Cost(2.0 * levels * PAIR_BYTES * k, 2.0 * levels)
@@ -168,22 +190,27 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
     raise ValueError(f"unknown transport {kind!r}; the modelled ones are {', '.join(MODELLED)}")
 
 
-def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, agreed: bool = False) -> str:
-    """DENSE, ALLREDUCE, ALLGATHER or AGREED for a tensor of ``numel`` elements compressed to ``k`` elements.
+def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, asked: str | None = None) -> str:
+    """DENSE, ALLREDUCE, ALLGATHER, AGREED or SCATTER for a tensor of ``numel`` elements compressed to ``k``.
 
     Shared indices sum correctly, so they always go by allreduce of k values. Rank-specific selections
-    go by ALLGATHER, or by AGREED when ``agreed`` (the step's plan asks for it), whichever is asked, as
-    long as it sends fewer bytes than the dense allreduce; beyond that the tensor goes dense (exact).
+    go by ALLGATHER, or by AGREED or SCATTER when ``asked`` (the step's plan asks for it), as long as it sends
+    fewer bytes than the dense allreduce; beyond that the tensor goes dense (exact). SCATTER needs every owner
+    to hold an index (``numel >= W``) and a second rank (a single rank's allgather is its own pairs).
     A pure function of its arguments: identical on every rank.
     """
     if world_size < 1 or numel < 1 or k < 1:
         raise ValueError(f"need world_size, numel and k >= 1, got {world_size}, {numel}, {k}")
+    if asked not in (None, ALLGATHER, AGREED, SCATTER):
+        raise ValueError(f"asked must be None, {ALLGATHER!r}, {AGREED!r} or {SCATTER!r}, got {asked!r}")
     if k >= numel:
         return DENSE
     if shared_indices:
         return ALLREDUCE
-    if agreed:
+    if asked == SCATTER and (world_size < 2 or numel < world_size):
+        asked = None
+    if asked in (AGREED, SCATTER):
         dense = transport_cost(DENSE, numel, k, world_size).bytes
-        return AGREED if transport_cost(AGREED, numel, k, world_size).bytes < dense else DENSE
+        return asked if transport_cost(asked, numel, k, world_size).bytes < dense else DENSE
     # the pairs alone against the dense values alone (horovod_ext/tf_compression.py's graph has the same rule)
     return ALLGATHER if allgather_bytes(k, world_size) < allreduce_bytes(numel, world_size) else DENSE

@@ -20,11 +20,15 @@ Every rank must submit the same groups, whatever order its gradients come in:
   whose directory differs from this rank's raises (different models or parameter names on the ranks).
 Fixed-size members (the sparse codec's `fixed_gather`) give groups of a fixed size: Horovod's response cache
 then skips the full negotiation of the allgather every step.
+
+Between `flush()` and the next `begin_step()` (the decodes) an allgather goes to the host at once, ungrouped: it
+is one that depends on another collective (the sparse reduce-scatter's second half). Alltoalls are not grouped.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +107,7 @@ class GroupedCollectives:
         self._seen: list[_Member] = []  # members of this step (next step's plan)
         self._note: tuple[float, int] | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # group name -> reusable send buffer
+        self._flushed = False  # flush() came: the step's decodes run, allgathers go at once
 
     # ------------------------------------------------------------------ Collectives
     def size(self) -> int:
@@ -112,7 +117,7 @@ class GroupedCollectives:
         return self.inner.rank()
 
     def allgather_async(self, tensor: torch.Tensor, name: str) -> Any:
-        if not self.enabled:
+        if not self.enabled or self._flushed:
             return self.inner.allgather_async(tensor, name)
         order, numel = self._note if self._note is not None else (float(len(self._seen)), tensor.numel())
         self._note = None
@@ -128,6 +133,10 @@ class GroupedCollectives:
         if group is not self._extra and group.complete:
             self._send(group)
         return MemberHandle(group, name, tensor.dtype, tuple(tensor.shape[1:]))
+
+    def alltoall_async(self, tensor: torch.Tensor, splits: Sequence[int], name: str) -> Any:
+        """The host's alltoall, at once (not grouped)."""
+        return self.inner.alltoall_async(tensor, splits, name)  # type: ignore[attr-defined]
 
     def wait(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, MemberHandle):
@@ -151,7 +160,7 @@ class GroupedCollectives:
     def begin_step(self) -> None:
         """Plan this step's groups from the members of the last one; forget the last step's groups."""
         seen = sorted(self._seen, key=lambda m: (m.order, m.name))
-        self._seen = []
+        self._seen, self._flushed = [], False
         self._plan, self._groups, self._extra, self._extras, self._note = {}, [], None, [], None
         cap, size, current = self.first_bytes, 0, None
         for m in seen:
@@ -165,7 +174,9 @@ class GroupedCollectives:
                 current, size, cap = None, 0, self.group_bytes
 
     def flush(self) -> None:
-        """Send every group still open: planned ones in order, then the unplanned members."""
+        """Send every group still open: planned ones in order, then the unplanned members. Allgathers started
+        after this, until `begin_step()`, go to the host at once."""
+        self._flushed = True
         for group in self._groups:
             if group.handle is None and group.filed:
                 self._send(group)
@@ -175,7 +186,7 @@ class GroupedCollectives:
 
     def reset(self) -> None:
         """Forget the step in flight and the plan (an elastic reset)."""
-        self._seen = []
+        self._seen, self._flushed = [], False
         self._plan, self._groups, self._extra, self._extras, self._note = {}, [], None, [], None
 
     # ------------------------------------------------------------------ internals

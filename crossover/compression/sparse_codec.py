@@ -10,7 +10,9 @@ Parts (GRACE's split): a selector (`selectors.py`, rank-specific top-k class or 
 random-k), an error-feedback memory (`memory.py`), transports (`transport.py`) behind the
 `Collectives` interface, the cost model choosing the transport. A plan whose ``transport`` is
 ``cost_model.AGREED`` sends a rank-specific selector's tensors at the index set agreed the step before
-(`agreed.py`): one allreduce of k values instead of an allgather of every rank's k pairs.
+(`agreed.py`): one allreduce of k values instead of an allgather of every rank's k pairs; one whose
+``transport`` is ``cost_model.SCATTER`` sends them by the sparse reduce-scatter (`scatter.py`): an alltoall to
+the indices' owners in `encode`, the owners' largest sums by allgather in `decode` (hosts with `alltoall_async`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from . import agreed, cost_model, kernels, transport
+from . import agreed, cost_model, kernels, scatter, transport
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
@@ -36,7 +38,8 @@ class StepPlan(Protocol):
     step: int  # steps begun, identical on every rank: seeds the shared random choices
     sent_cf: float  # the CF to send (1 = dense)
     probes: tuple[float, ...]  # the CFs whose norms to measure
-    # optional ``transport``: cost_model.AGREED sends rank-specific selections at the agreed index set;
+    # optional ``transport``: cost_model.AGREED sends rank-specific selections at the agreed index set,
+    # cost_model.SCATTER by the sparse reduce-scatter;
     # optional ``note_costs(costs)``: told each compressed tensor's bytes per worker per candidate transport, when
     # the optional ``wants_costs`` is true
 
@@ -65,6 +68,8 @@ class SparseCodec:
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
         self._agreed: dict[str, agreed.AgreedSet] = {}  # key -> the index set agreed for its next step
         self._scores: dict[str, torch.Tensor] = {}
+        self._regions: dict[str, torch.Tensor] = {}  # key -> float32 zeros (SCATTER: this rank's owned sums)
+        self._marks: dict[str, torch.Tensor] = {}  # key -> bool False (SCATTER: the kept indices, briefly)
 
     def forget_agreed(self) -> None:
         """Drop every agreed index set (elastic reset): the next step of each tensor draws its set from the
@@ -100,9 +105,15 @@ class SparseCodec:
         seed = shared_seed(self.seed, rec.step, key)
         send_cf = rec.sent_cf
         k = k_for(numel, send_cf) if send_cf > 1 else numel
+        asked = getattr(rec, "transport", None) if send_cf > 1 else None
         # the agreed set holds k indices of the CF sent: it serves plans that send their lowest level
-        agreed_ok = getattr(rec, "transport", None) == cost_model.AGREED and send_cf > 1 and send_cf == levels[0]
-        kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices, agreed_ok)
+        if asked == cost_model.AGREED and send_cf != levels[0]:
+            asked = None
+        if asked == cost_model.SCATTER and not hasattr(comm, "alltoall_async"):
+            raise RuntimeError("crossover compression: transport 'scatter' needs a host with an alltoall (Horovod); "
+                               "use transport='allgather' or 'agreed' here")
+        kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices,
+                                           asked if asked in (cost_model.AGREED, cost_model.SCATTER) else None)
         # the step driver's record collects the cost model's bytes where something reads them
         note = getattr(rec, "note_costs", None) if getattr(rec, "wants_costs", False) else None
         if note is not None and send_cf > 1 and not self.selector.shared_indices:
@@ -152,6 +163,10 @@ class SparseCodec:
             ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
             payload = transport.send_shared(sel, stats)
             return payload, ctx, payload.numel() * 4
+        if kind == cost_model.SCATTER:
+            payload, ctx.handle, rows = transport.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}")
+            ctx.kind, ctx.k = transport.SCATTER, k
+            return payload, ctx, rows * 8 + stats.numel() * 4
         rows = sel.idx.numel()
         if self.fixed_gather:
             if rows > k:  # keep the k largest; the rest returns to the residual
@@ -185,7 +200,10 @@ class SparseCodec:
             if out is None or out.numel() != ctx.numel or out.device != reduced.device:
                 out = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
                 self._outputs[ctx.key] = out
-        flat = transport.receive(reduced, ctx, comm, out)
+        if ctx.kind == transport.SCATTER:
+            flat = self._receive_scatter(ctx, comm, stats, out)
+        else:
+            flat = transport.receive(reduced, ctx, comm, out)
         if not bool(torch.isfinite(stats).all()):
             self._undo(ctx)
             flat.fill_(float("nan"))
@@ -246,6 +264,31 @@ class SparseCodec:
         self._agreed[ctx.key] = agreed.AgreedSet(nxt, ctx.k, ctx.numel, idx,
                                                  agreed.fingerprint(ctx.key, nxt, "agreed", idx))
 
+    def _receive_scatter(self, ctx: transport.SparseCtx, comm: Collectives, stats: torch.Tensor,
+                         out: torch.Tensor) -> torch.Tensor:
+        """Sum the pairs this rank owns, keep the largest, gather every owner's, scatter them into `out`, and
+        return to the residual what this rank sent that no owner kept. A non-finite step (the reduced
+        statistics, the same on every rank) stops after the alltoall on every rank: no allgather."""
+        received = comm.wait(ctx.handle)  # always: it completes everywhere
+        if not bool(torch.isfinite(stats).all()):
+            return out
+        world, rank, numel = comm.size(), comm.rank(), ctx.numel
+        keep = cost_model.scatter_keep(ctx.k, numel, world)
+        region = self._regions.get(ctx.key)
+        if region is None or region.numel() < -(-numel // world) or region.device != out.device:
+            region = self._regions[ctx.key] = torch.zeros(-(-numel // world), dtype=torch.float32, device=out.device)
+        mine = scatter.reduce_owned(received, rank, world, numel, keep, region, ctx.key)
+        gathered = comm.wait(comm.allgather_async(mine, f"crossover.scatter.{ctx.key}"))
+        idx = gathered[:, 0].contiguous()
+        kernels.zero_scatter(out, idx, gathered[:, 1].contiguous().view(torch.float32), float(stats[0]) / world)
+        if ctx.residual is not None and ctx.idx is not None and ctx.idx.numel():
+            marks = self._marks.get(ctx.key)
+            if marks is None or marks.numel() != numel or marks.device != out.device:
+                marks = self._marks[ctx.key] = torch.zeros(numel, dtype=torch.bool, device=out.device)
+            gone = scatter.lost(ctx.idx, idx, marks)
+            kernels.scatter_add(ctx.residual, ctx.idx[gone].contiguous(), ctx.val[gone].contiguous())
+        return out
+
     def _propose(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, sel: Selection,
                  world: int) -> torch.Tensor:
         """This rank's proposals for the next step's set: the largest entries of the next accumulator as
@@ -296,8 +339,8 @@ def _candidate_costs(numel: int, k: int, world: int, nstats: int) -> dict[str, f
     """Bytes per worker of one tensor sent at k elements by each transport a rank-specific selector can use
     (each falling back to dense where that is cheaper, as `choose_transport` does)."""
     out = {}
-    for kind in (cost_model.AGREED, cost_model.ALLGATHER):
-        real = cost_model.choose_transport(numel, k, world, False, kind == cost_model.AGREED)
+    for kind in (cost_model.AGREED, cost_model.SCATTER, cost_model.ALLGATHER):
+        real = cost_model.choose_transport(numel, k, world, False, kind)
         out[kind] = cost_model.transport_cost(real, numel, k, world, nstats).bytes
     return out
 

@@ -20,22 +20,23 @@ from typing import Any
 
 import torch
 
-from . import kernels
-from .collectives import Collectives
+from . import kernels, scatter
+from .collectives import AlltoallCollectives, Collectives
 from .selectors import Selection
 
-__all__ = ["AGREED", "DENSE", "SHARED", "GATHER", "SparseCtx", "send_dense", "send_shared", "send_agreed",
-           "send_allgather", "receive", "split_stats"]
+__all__ = ["AGREED", "DENSE", "SCATTER", "SHARED", "GATHER", "SparseCtx", "send_dense", "send_shared",
+           "send_agreed", "send_allgather", "send_scatter", "receive", "split_stats"]
 
 DENSE, SHARED, GATHER = "dense", "ar", "ag"
 AGREED = "agreed"  # values at the index set agreed the step before (agreed.py), proposals by allgather
+SCATTER = "scatter"  # pairs to their owners by alltoall, the owners' largest sums by allgather (scatter.py)
 
 
 @dataclass
 class SparseCtx:
     """What `receive` needs to decode one tensor's reduced payload."""
 
-    kind: str  # DENSE, SHARED, GATHER or AGREED
+    kind: str  # DENSE, SHARED, GATHER, AGREED or SCATTER
     key: str
     shape: torch.Size
     numel: int
@@ -70,6 +71,14 @@ def send_agreed(val: torch.Tensor, check: torch.Tensor, stats: torch.Tensor, com
     rank's index proposals for the next step by allgather (equal sizes on every rank; none: no allgather)."""
     handle = comm.allgather_async(proposals, name) if proposals.numel() else None
     return torch.cat([val, check, stats]), handle
+
+
+def send_scatter(sel: Selection, stats: torch.Tensor, comm: AlltoallCollectives,
+                 name: str) -> tuple[torch.Tensor, Any, int]:
+    """This rank's (index, value bits) pairs to the ranks that own their indices, by alltoall; the host reduces
+    only the statistics. Returns (payload, handle, rows sent)."""
+    rows, splits = scatter.route(sel.idx, sel.val, comm.size())
+    return stats, comm.alltoall_async(rows, splits, name), rows.shape[0]
 
 
 HEADER_ROWS = 2  # per rank, before its pairs: (count, numel), (shape hash, ndim)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.adaptive.static import StaticPolicy
+from crossover.compression import cost_model
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.selectors import make_selector
 from crossover.compression.sparse_codec import SparseCodec
@@ -84,7 +85,10 @@ class _SparseEngine(_CodecEngine):
     def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
                  min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
                  clock: Callable[[], float] | None, transport: str, momentum: float | None = None) -> None:
-        check_transport(transport)
+        if check_transport(transport) == cost_model.SCATTER:
+            raise ValueError("transport='scatter' needs an alltoall from Horovod's background loop; the DDP hook "
+                             "issues its collectives bucket by bucket and has none: use 'allgather', 'agreed' or "
+                             "'auto' here")
         self.momentum = check_momentum(momentum)  # a DDP hook does not see the optimizer: the user says it
         if gather not in GATHERS:
             raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")

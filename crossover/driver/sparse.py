@@ -43,9 +43,10 @@ log = logging.getLogger("crossover.driver")
 CF_POLICY_STATE_VERSION = 1
 
 #: ``transport=`` of a rank-specific selector (top-k, DGC, RedSync): "auto" (the cost model's cheapest, then
-#: measured time: ``TransportChoice``), "agreed" (always the agreed index set) or "allgather" (always each
-#: rank's own pairs). Shared-index selectors (random-k) always allreduce: pass None.
-TRANSPORTS = ("auto", cost_model.AGREED, cost_model.ALLGATHER)
+#: measured time: ``TransportChoice``), "agreed" (always the agreed index set), "scatter" (always the sparse
+#: reduce-scatter; hosts with an alltoall: Horovod) or "allgather" (always each rank's own pairs).
+#: Shared-index selectors (random-k) always allreduce: pass None.
+TRANSPORTS = ("auto", cost_model.AGREED, cost_model.SCATTER, cost_model.ALLGATHER)
 #: The adaptive objects' default: each rank's own pairs, as before the agreed set existed ("auto" and "agreed"
 #: are opt-in: the agreed set at CF 10 lost 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
 DEFAULT_TRANSPORT = cost_model.ALLGATHER
