@@ -29,7 +29,7 @@ from crossover.adaptive.static import StaticPolicy
 from crossover.compression.agreed import sets_from_state
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import (
-    DEFAULT_TRANSPORT,
+    ALLTOALL_DEFAULT_TRANSPORT,
     CfPolicy,
     SparseStepDriver,
     check_momentum,
@@ -66,7 +66,8 @@ class _SparseCompression(TorchHookBase):
                                  dense_stats_apart=True)
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
                                        seed_check=self.codec.seed_check, tensorboard=tensorboard,
-                                       transport=None if self.codec.selector.shared_indices else transport)
+                                       transport=None if self.codec.selector.shared_indices else transport,
+                                       alltoall=True)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.log_csv = log_csv
@@ -186,14 +187,16 @@ class GravacCompression(_SparseCompression):
     one row per step. `tensorboard`: a directory (rank 0 writes) or a SummaryWriter that gets per-step
     scalars under `crossover/` (docs/compression.md). `momentum`: None reads the optimizer's (SGD-style
     `momentum` of its param groups) at every step; the policy caps the CF by it (docs/accuracy.md).
-    `transport` (rank-specific compressors): "allgather" (the default: each rank's own pairs), "agreed" (values
-    at an index set agreed the step before, by allreduce) or "auto" (the cost model's cheapest, unless measured
-    step times favour the other); "agreed" and "auto" are opt-in (docs/scaling.md).
+    `transport` (rank-specific compressors): "auto" (the default: the sparse reduce-scatter or each rank's own
+    pairs by allgather, the cost model's fewer bytes unless measured step times favour the other; the
+    reduce-scatter's bytes per worker stay flat as workers are added, and on 2 ranks it is the allgather),
+    "scatter" or "allgather" (always that one), "agreed" (values at an index set agreed the step before, by
+    allreduce; opt-in: it lost accuracy at CF 10 on 4-8 ranks). docs/scaling.md.
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
                  enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
-                 momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, **gravac: Any) -> None:
+                 momentum: float | None = None, transport: str = ALLTOALL_DEFAULT_TRANSPORT, **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
                          seed=seed, log_csv=log_csv, transport=transport, tensorboard=tensorboard, momentum=momentum)

@@ -1,6 +1,6 @@
 """The agreed index set transport inside real 3-rank Horovod jobs (Gloo, CPU): the averaged gradient is the exact
-average of what each rank sent, residuals are exact, and every rank decides the same with gradients that differ
-on purpose."""
+average of what each rank sent and residuals are exact, with gradients that differ on purpose per rank. The
+agreed set is opt-in on Horovod (transport="agreed"); transport="auto" there is tested in test_scatter_hvd.py."""
 
 import torch
 from hvd_harness import run_function
@@ -71,26 +71,3 @@ def test_agreed_average_is_exact_and_residuals_are_exact():
         assert r["stats"]["transport"] == "agreed"
         # k values + checks + statistics by allreduce, ceil(k / 9) proposals by allgather, per step
         assert r["stats"]["bytes_sent"] * 150 < r["stats"]["bytes_dense"], r["stats"]
-
-
-def decisions_job(steps):
-    from crossover import AdaptiveCompression
-
-    comp = AdaptiveCompression("topk", window=8, cf_min=4, cf_max=64, epsilon=0.3, transport="auto")
-    p, opt = _param_opt(comp)
-    trace = []
-    for step in range(steps):
-        out = _step(p, opt, _rank_grad(step))
-        s = comp.stats()
-        trace.append([s["compression_factor"], s["transport"], float(out.double().sum())])
-    return {"trace": trace, "choice": {k: v for k, v in comp.stats().items() if k.startswith("transport_choice/")}}
-
-
-def test_every_rank_decides_the_same_transport_and_cf():
-    res = run_function(decisions_job, np=3, args=[90], timeout=420)
-    t0 = res[0]["trace"]
-    for r in res[1:]:
-        assert r["trace"] == t0  # CF, transport and the decoded gradient, step by step
-        assert r["choice"] == res[0]["choice"]
-    assert {row[1] for row in t0 if row[0] > 1} >= {"agreed"}, t0[::10]
-    assert len({row[0] for row in t0}) >= 2, "the CF never changed: the test would not see a disagreement"

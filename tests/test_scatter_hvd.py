@@ -80,3 +80,34 @@ def test_scatter_average_is_exact_and_the_same_everywhere():
         assert r["stats"]["transport"] == "scatter"
         # each rank sends k pairs (8 bytes) + statistics per step: against 4 N bytes dense
         assert r["stats"]["bytes_sent"] * 20 < r["stats"]["bytes_dense"], r["stats"]
+
+
+def decisions_job(steps):
+    import horovod.torch as hvd
+
+    from crossover import AdaptiveCompression
+
+    comp = AdaptiveCompression("topk", window=8, cf_min=4, cf_max=64, epsilon=0.3)  # transport "auto"
+    p = torch.nn.Parameter(torch.zeros(N))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)], compression=comp)
+    trace = []
+    for step in range(steps):
+        opt.zero_grad()
+        (p * _rank_grad(step)).sum().backward()
+        opt.synchronize()
+        out = p.grad.detach()
+        s = comp.stats()
+        trace.append([s["compression_factor"], s["transport"], float(out.double().sum())])
+    return {"trace": trace, "choice": {k: v for k, v in comp.stats().items() if k.startswith("transport_choice/")}}
+
+
+def test_auto_every_rank_decides_the_same_transport_and_cf():
+    """AdaptiveCompression()'s default transport on 3 ranks: the sparse reduce-scatter (fewer bytes than the
+    allgather), CF and transport the same on every rank step by step, while the CF moves."""
+    res = run_function(decisions_job, np=3, args=[90], timeout=420)
+    t0 = res[0]["trace"]
+    for r in res[1:]:
+        assert r["trace"] == t0  # CF, transport and the decoded gradient, step by step
+        assert r["choice"] == res[0]["choice"]
+    assert {row[1] for row in t0 if row[0] > 1} >= {"scatter"}, t0[::10]
+    assert len({row[0] for row in t0}) >= 2, "the CF never changed: the test would not see a disagreement"

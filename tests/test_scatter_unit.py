@@ -63,6 +63,8 @@ def test_cost_model_scatter_is_flat_in_workers():
     assert b[8] < gather / 3
     assert cost_model.choose_transport(n, k, 8, False, cost_model.SCATTER) == cost_model.SCATTER
     assert cost_model.choose_transport(n, k, 1, False, cost_model.SCATTER) != cost_model.SCATTER  # one rank
+    # two ranks: the allgather's bytes in one collective instead of two
+    assert cost_model.choose_transport(n, k, 2, False, cost_model.SCATTER) == cost_model.ALLGATHER
     assert cost_model.choose_transport(n, 600_000, 8, False, cost_model.SCATTER) == cost_model.DENSE
     with pytest.raises(ValueError):
         cost_model.choose_transport(n, k, 8, False, "nope")
@@ -73,7 +75,7 @@ class _Plan:
         self.step, self.sent_cf, self.probes, self.transport = step, cf, (cf,), kind
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("world", [3, 5])
 def test_simulated_ranks_decode_the_same_exact_average(world):
     n = 6007  # not a multiple of any world: the owners' stretches differ by one
     group = SimulatedGroup(world, timeout_s=30)

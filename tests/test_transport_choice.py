@@ -169,21 +169,28 @@ def test_driver_state_keeps_the_transport_choice():
     assert fresh.transports is not None and fresh.transports.summary()["decided"] == {}
 
 
-def test_adaptive_objects_default_to_the_allgather_and_check_transport():
-    """The adaptive objects keep each rank's own pairs unless asked ("auto" and "agreed" are opt-in: the agreed set
-    lost accuracy at CF 10 on 4 and 8 ranks, docs/transport-study.md); a bad transport fails at construction."""
+def test_default_transports_and_check_transport():
+    """Horovod's adaptive objects choose between the sparse reduce-scatter and the allgather ("auto"); the DDP hook
+    and the static objects keep each rank's own pairs unless asked (the agreed set lost accuracy at CF 10 on 4 and
+    8 ranks, docs/transport-study.md; the DDP hook has no alltoall); a bad transport fails at construction."""
     from crossover import AdaptiveCompression, StaticCompression
     from crossover.ddp import AdaptiveState
     from horovod_ext.torch_compression import GravacCompression
 
+    for make in (lambda **kw: AdaptiveCompression("topk", **kw), lambda **kw: GravacCompression("topk", **kw)):
+        assert make().driver.transport == "auto"
+        assert make().driver.transports.candidates == (cm.SCATTER, cm.ALLGATHER)
+    for make in (lambda **kw: AdaptiveState(**kw), lambda **kw: AdaptiveState(policy="gravac", **kw),
+                 lambda **kw: StaticCompression("topk", **kw), lambda **kw: AdaptiveState(policy="static", **kw)):
+        assert make().driver.transport == cm.ALLGATHER and make().driver.transports is None
     for make in (lambda **kw: AdaptiveCompression("topk", **kw), lambda **kw: GravacCompression("topk", **kw),
                  lambda **kw: AdaptiveState(**kw), lambda **kw: AdaptiveState(policy="gravac", **kw),
                  lambda **kw: StaticCompression("topk", **kw), lambda **kw: AdaptiveState(policy="static", **kw)):
-        assert make().driver.transport == cm.ALLGATHER and make().driver.transports is None
         assert make(transport="auto").driver.transports is not None
         assert make(transport="agreed").driver.transport == cm.AGREED
+        assert make(transport="allgather").driver.transports is None
         for bad in ("pigeon", "", None, 1, "AUTO"):
-            with pytest.raises(ValueError, match="transport must be one of 'auto', 'agreed', 'allgather'"):
+            with pytest.raises(ValueError, match="transport must be one of 'auto', 'agreed', 'scatter', 'allgather'"):
                 make(transport=bad)
     # a shared-index compressor always allreduces: the driver has no transport, whatever was asked
     assert AdaptiveCompression("randomk", transport="auto").driver.transport is None

@@ -196,7 +196,8 @@ def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, 
     Shared indices sum correctly, so they always go by allreduce of k values. Rank-specific selections
     go by ALLGATHER, or by AGREED or SCATTER when ``asked`` (the step's plan asks for it), as long as it sends
     fewer bytes than the dense allreduce; beyond that the tensor goes dense (exact). SCATTER needs every owner
-    to hold an index (``numel >= W``) and a second rank (a single rank's allgather is its own pairs).
+    to hold an index (``numel >= W``) and three ranks: on two it receives the allgather's bytes in two
+    collectives instead of one, so it is the allgather there.
     A pure function of its arguments: identical on every rank.
     """
     if world_size < 1 or numel < 1 or k < 1:
@@ -207,7 +208,7 @@ def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, 
         return DENSE
     if shared_indices:
         return ALLREDUCE
-    if asked == SCATTER and (world_size < 2 or numel < world_size):
+    if asked == SCATTER and (world_size < 3 or numel < world_size):
         asked = None
     if asked in (AGREED, SCATTER):
         dense = transport_cost(DENSE, numel, k, world_size).bytes

@@ -19,9 +19,17 @@ from crossover.driver.settings import (
     optimizer_momentum,
     reported_momentum,
 )
-from crossover.driver.sparse import DEFAULT_TRANSPORT, TRANSPORTS, CfPolicy, SparseStepDriver, check_transport
+from crossover.driver.sparse import (
+    ALLTOALL_DEFAULT_TRANSPORT,
+    DEFAULT_TRANSPORT,
+    TRANSPORTS,
+    CfPolicy,
+    SparseStepDriver,
+    check_transport,
+)
 from crossover.driver.steplog import StepLog
 
-__all__ = ["DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "UNKNOWN_MOMENTUM", "CfPolicy", "GradientKeys",
-           "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord", "check_min_numel", "check_momentum",
-           "check_transport", "dqsgd_settings", "gravac_or_dense", "lr_at", "optimizer_momentum", "reported_momentum"]
+__all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "UNKNOWN_MOMENTUM",
+           "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
+           "check_min_numel", "check_momentum", "check_transport", "dqsgd_settings", "gravac_or_dense", "lr_at",
+           "optimizer_momentum", "reported_momentum"]

@@ -35,8 +35,8 @@ from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
 from crossover.driver.tboard import TensorBoardLog
 
-__all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "DEFAULT_TRANSPORT", "SparseStepDriver", "TRANSPORTS",
-           "check_transport"]
+__all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "CF_POLICY_STATE_VERSION", "CfPolicy", "DEFAULT_TRANSPORT",
+           "SparseStepDriver", "TRANSPORTS", "auto_candidates", "check_transport"]
 
 log = logging.getLogger("crossover.driver")
 
@@ -47,9 +47,18 @@ CF_POLICY_STATE_VERSION = 1
 #: reduce-scatter; hosts with an alltoall: Horovod) or "allgather" (always each rank's own pairs).
 #: Shared-index selectors (random-k) always allreduce: pass None.
 TRANSPORTS = ("auto", cost_model.AGREED, cost_model.SCATTER, cost_model.ALLGATHER)
-#: The adaptive objects' default: each rank's own pairs, as before the agreed set existed ("auto" and "agreed"
-#: are opt-in: the agreed set at CF 10 lost 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
+#: The DDP hook's default: each rank's own pairs ("auto" and "agreed" are opt-in: the agreed set at CF 10 lost
+#: 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
 DEFAULT_TRANSPORT = cost_model.ALLGATHER
+#: Horovod's default (a host with an alltoall): "auto" over the sparse reduce-scatter and the allgather, which kept
+#: the allgather's accuracy at CF 10 and 100 on 4 and 8 ranks at 0.21x dense's bytes (docs/transport-study.md).
+ALLTOALL_DEFAULT_TRANSPORT = "auto"
+
+
+def auto_candidates(alltoall: bool) -> tuple[str, str]:
+    """What ``transport="auto"`` chooses between: the sparse reduce-scatter and the allgather on a host with an
+    alltoall (Horovod), else the agreed index set and the allgather (the DDP hook)."""
+    return (cost_model.SCATTER if alltoall else cost_model.AGREED, cost_model.ALLGATHER)
 
 
 def check_transport(transport: object, *, none_ok: bool = False) -> str | None:
@@ -78,7 +87,7 @@ class SparseStepDriver:
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
                  rank: Callable[[], int] = lambda: 0, seed_check: bool = False, tensorboard: Any = None,
-                 transport: str | None = None) -> None:
+                 transport: str | None = None, alltoall: bool = False) -> None:
         check_transport(transport, none_ok=True)
         self.policy = policy
         expect = getattr(policy, "expect_momentum", None)
@@ -88,8 +97,7 @@ class SparseStepDriver:
         self.transport = transport
         config = getattr(policy, "config", None)
         omega = config.get("omega", T.OMEGA) if isinstance(config, Mapping) else T.OMEGA
-        self.transports = TransportChoice((cost_model.AGREED, cost_model.ALLGATHER), omega=omega) \
-            if transport == "auto" else None
+        self.transports = TransportChoice(auto_candidates(alltoall), omega=omega) if transport == "auto" else None
         self.collect_costs = False  # True: every step records the cost model's bytes per transport (benchmarks)
         self.compressor = compressor
         self.seed = check_seed(seed)
@@ -341,8 +349,12 @@ class SparseStepDriver:
         transports = None
         if self.transports is not None:  # saved without it (another transport=, or older): afresh
             transports = TransportChoice(self.transports.candidates, omega=self.transports.omega)
-            if state.get("transport") is not None:
-                transports.load_state_dict(state["transport"])
+            saved = state.get("transport")
+            if isinstance(saved, Mapping) and list(saved.get("candidates", ())) != list(transports.candidates):
+                log.info("compression state: transport choice saved for %s, this run chooses between %s: its "
+                         "step times are measured again", saved.get("candidates"), list(transports.candidates))
+            elif saved is not None:
+                transports.load_state_dict(saved)
         # validated: apply
         self.policy, self.seed, self.transports = policy, seed, transports
         for name, v in counters.items():

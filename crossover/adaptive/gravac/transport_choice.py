@@ -111,7 +111,8 @@ class TransportChoice:
         t = float(step_time_s)
         if sent_cf <= DENSE or transport is None or not (math.isfinite(t) and t > 0.0):
             return
-        clean = {str(k): float(v) for k, v in predicted_bytes.items() if is_real(v) and v >= 0.0}
+        clean = {str(k): float(v) for k, v in predicted_bytes.items()
+                 if k in self.candidates and is_real(v) and v >= 0.0}  # the costs of other transports: not ours
         if clean:
             self._bytes[sent_cf] = clean
         times = self._times.setdefault((sent_cf, transport), [])
