@@ -32,7 +32,7 @@ from typing import Any
 
 __all__ = ["METHODS", "main", "markdown"]
 
-METHODS = ("dense", "fp16", "allgather", "agreed", "randomk", "adaptive")
+METHODS = ("dense", "fp16", "allgather", "agreed", "scatter", "randomk", "adaptive")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scaling", description=__doc__.split("\n")[0])
     p.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8], help="host counts (default 2 4 8)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                   help="methods (default: all): dense, fp16 (Horovod's), allgather and agreed (static top-k by "
-                        "each transport), randomk, adaptive (AdaptiveCompression() defaults)")
+                   help="methods (default: all): dense, fp16 (Horovod's), allgather, agreed and scatter (static "
+                        "top-k by each transport), randomk, adaptive (AdaptiveCompression() defaults)")
     p.add_argument("--rate", default="1gbit",
                    help="link rate per host, each way, of the static methods (default 1gbit)")
     p.add_argument("--adaptive-rate", default="100mbit",

@@ -47,6 +47,8 @@ def _compression(method: str, cf: float, min_numel: int) -> Any:
         return StaticCompression("topk", cf=cf, transport="allgather", min_compress_numel=min_numel)
     if method == "agreed":
         return StaticCompression("topk", cf=cf, transport="agreed", min_compress_numel=min_numel)
+    if method == "scatter":
+        return StaticCompression("topk", cf=cf, transport="scatter", min_compress_numel=min_numel)
     if method == "randomk":
         return StaticCompression("randomk", cf=cf, min_compress_numel=min_numel)
     if method == "adaptive":

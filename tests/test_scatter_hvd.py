@@ -6,11 +6,12 @@ residual left, per rank: nothing selected is lost, nothing is applied twice), th
 and that a non-finite gradient on one rank decodes to NaN everywhere and leaves the residuals as they were.
 """
 
+import pytest
 import torch
 from hvd_harness import run_function
 
 N = 50_000  # elements of the test parameter (above min_compress_numel)
-CF = 50.0  # k = 1 000 of 50 000
+CFS = (50.0, 8.0)  # k = 1 000 of 50 000 travels as (index, value) pairs, k = 6 250 as bitmaps + values
 POISON_STEP = 5
 
 
@@ -28,12 +29,12 @@ def _rank_grad(step: int) -> torch.Tensor:
     return g
 
 
-def scatter_job(steps: int) -> dict:
+def scatter_job(steps: int, cf: float) -> dict:
     import horovod.torch as hvd
 
     from crossover import StaticCompression
 
-    comp = StaticCompression("topk", cf=CF, transport="scatter")
+    comp = StaticCompression("topk", cf=cf, transport="scatter")
     p = torch.nn.Parameter(torch.zeros(N))
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)], compression=comp)
     out = {"worst_avg": 0.0, "same": True, "applied": [], "nan_step": None, "restored": None, "owned_only": True}
@@ -65,10 +66,14 @@ def scatter_job(steps: int) -> dict:
     return out
 
 
-def test_scatter_average_is_exact_and_the_same_everywhere():
+@pytest.mark.parametrize("cf", CFS)
+def test_scatter_average_is_exact_and_the_same_everywhere(cf):
+    from crossover.compression import cost_model
+
     steps = 10
-    res = run_function(scatter_job, np=3, args=[steps], timeout=240)
-    k = -(-N // int(CF))
+    res = run_function(scatter_job, np=3, args=[steps, cf], timeout=240)
+    k = -(-N // int(cf))
+    assert cost_model.scatter_bitmap(k, N, 3) == (cf < 10), "both wire formats are covered"
     keep = -(-k // 3)
     for r in res:
         assert r["same"], "ranks decoded different gradients"
@@ -78,8 +83,8 @@ def test_scatter_average_is_exact_and_the_same_everywhere():
         assert all(0.9 * k <= a <= 3 * keep for a in r["applied"]), r["applied"]
         assert r["nan_step"] and r["restored"], r
         assert r["stats"]["transport"] == "scatter"
-        # each rank sends k pairs (8 bytes) + statistics per step: against 4 N bytes dense
-        assert r["stats"]["bytes_sent"] * 20 < r["stats"]["bytes_dense"], r["stats"]
+        # each rank sends k entries (8 bytes, or 4 + a bitmap) + statistics per step: against 4 N bytes dense
+        assert r["stats"]["bytes_sent"] * cf / 2.5 < r["stats"]["bytes_dense"], r["stats"]
 
 
 def decisions_job(steps):

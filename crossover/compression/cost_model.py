@@ -17,9 +17,11 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
   allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 2
   (``agreed_share``, ``agreed.py``);
-* ``SCATTER``: a sparse reduce-scatter (``scatter.py``): each rank's k pairs go by one alltoall to the ranks that
-  own their indices (about k (W-1)/W pairs received per worker when the indices spread over the owners), then
-  each owner's ``ceil(k / W)`` largest sums by one allgather: about 2 k (W-1)/W pairs per worker, flat in W.
+* ``SCATTER``: a sparse reduce-scatter (``scatter.py``): each rank's k entries go by one alltoall to the ranks
+  that own their indices (about k (W-1)/W received per worker when the indices spread over the owners), then
+  each owner's ``ceil(k / W)`` largest sums by one allgather: about 2 k (W-1)/W entries per worker, flat in W;
+  an entry is an (index, value) pair, or a value plus a bit per position of its owner's stretch where that
+  costs less (``scatter_bitmap``).
 
 Horovod's PyTorch allreduce only takes int32/int64/fp16/fp32/fp64, so a sparse element travels as an int32
 index + an fp32 value (8 bytes). ``FP16`` (Horovod's own cast) and three schemes from the literature that the
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
            "allgather_bytes", "allreduce_bytes", "choose_transport", "pairwise_alltoall", "ring_allgather",
-           "ring_allreduce", "scatter_keep", "transport_cost"]
+           "ring_allreduce", "scatter_bitmap", "scatter_keep", "scatter_part_bytes", "transport_cost"]
 
 DENSE = "dense"  # allreduce of the whole (error-compensated) tensor
 ALLREDUCE = "allreduce"  # allreduce of values at indices every rank shares
@@ -140,6 +142,23 @@ def scatter_keep(k: int, numel: int, world: int) -> int:
     return max(0, min(-(-int(k) // w), int(numel) // w))
 
 
+def _stretch_bitmap_bytes(numel: int, world: int) -> int:
+    """Bytes of the bitmap of one owner's stretch (``scatter.bitmap_bytes``: ceil(n / W) bits, to 4 bytes)."""
+    positions = math.ceil(int(numel) / max(1, int(world)))
+    return math.ceil(positions / 32) * 4
+
+
+def scatter_bitmap(k: int, numel: int, world: int) -> bool:
+    """Whether the sparse reduce-scatter sends bitmaps + values (else (index, value) pairs): when an owner's kept
+    sums cost fewer bytes that way, ``bitmap + 4 keep < 8 keep`` (about k > n / 32). The same on every rank."""
+    return _stretch_bitmap_bytes(numel, world) < INDEX_BYTES * scatter_keep(k, numel, world)
+
+
+def scatter_part_bytes(entries: float, numel: int, world: int, bitmap: bool) -> float:
+    """Bytes of one message of the sparse reduce-scatter carrying ``entries`` entries to or from one owner."""
+    return _stretch_bitmap_bytes(numel, world) + VALUE_BYTES * entries if bitmap else PAIR_BYTES * entries
+
+
 def allreduce_bytes(elements: int, world_size: int, width: int = VALUE_BYTES) -> float:
     """Bytes one rank sends (and receives) in a ring allreduce of ``elements`` values of ``width`` bytes."""
     return ring_allreduce(float(elements) * width, world_size).bytes
@@ -175,9 +194,11 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
         values = ring_allreduce(4.0 * (k + AGREED_CHECK + nstats), world)
         m = agreed_proposals(k, numel, world)
         return values + ring_allgather(INDEX_BYTES * m, world) if m else values
-    if kind == SCATTER:  # pairs to their owners, the owners' kept sums to everyone, the statistics by allreduce
+    if kind == SCATTER:  # entries to their owners, the owners' kept sums to everyone, the statistics by allreduce
         keep = scatter_keep(k, numel, world)
-        return (pairwise_alltoall(PAIR_BYTES * k, world) + ring_allgather(PAIR_BYTES * keep, world)
+        bitmap = scatter_bitmap(k, numel, world)
+        sent = world * scatter_part_bytes(k / world, numel, world, bitmap)  # a part for every owner
+        return (pairwise_alltoall(sent, world) + ring_allgather(scatter_part_bytes(keep, numel, world, bitmap), world)
                 + ring_allreduce(4.0 * nstats, world))
     levels = math.log2(world) if world > 1 else 0.0
     if kind == GTOPK:  # up a binary tree merging k pairs per round, then the global top-k back down

@@ -164,9 +164,11 @@ class SparseCodec:
             payload = transport.send_shared(sel, stats)
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.SCATTER:
-            payload, ctx.handle, rows = transport.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}")
+            payload, ctx.handle, nbytes = transport.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
+                                                                 numel, cost_model.scatter_bitmap(k, numel,
+                                                                                                  comm.size()))
             ctx.kind, ctx.k = transport.SCATTER, k
-            return payload, ctx, rows * 8 + stats.numel() * 4
+            return payload, ctx, nbytes + stats.numel() * 4
         rows = sel.idx.numel()
         if self.fixed_gather:
             if rows > k:  # keep the k largest; the rest returns to the residual
@@ -274,13 +276,17 @@ class SparseCodec:
             return out
         world, rank, numel = comm.size(), comm.rank(), ctx.numel
         keep = cost_model.scatter_keep(ctx.k, numel, world)
+        bitmap = cost_model.scatter_bitmap(ctx.k, numel, world)
+        size = scatter.stretch(numel, world)
         region = self._regions.get(ctx.key)
-        if region is None or region.numel() < -(-numel // world) or region.device != out.device:
-            region = self._regions[ctx.key] = torch.zeros(-(-numel // world), dtype=torch.float32, device=out.device)
-        mine = scatter.reduce_owned(received, rank, world, numel, keep, region, ctx.key)
+        if region is None or region.numel() < size or region.device != out.device:
+            region = self._regions[ctx.key] = torch.zeros(size, dtype=torch.float32, device=out.device)
+        pos, val = scatter.unpack_received(received, rank, world, numel, bitmap, ctx.key)
+        pos, sums = scatter.reduce_owned(pos, val, keep, region)
+        mine = scatter.pack_kept(pos, sums, rank, world, numel, keep, bitmap)
         gathered = comm.wait(comm.allgather_async(mine, f"crossover.scatter.{ctx.key}"))
-        idx = gathered[:, 0].contiguous()
-        kernels.zero_scatter(out, idx, gathered[:, 1].contiguous().view(torch.float32), float(stats[0]) / world)
+        idx, val = scatter.unpack_kept(gathered, world, numel, keep, bitmap)
+        kernels.zero_scatter(out, idx, val.contiguous(), float(stats[0]) / world)
         if ctx.residual is not None and ctx.idx is not None and ctx.idx.numel():
             marks = self._marks.get(ctx.key)
             if marks is None or marks.numel() != numel or marks.device != out.device:

@@ -73,12 +73,12 @@ def send_agreed(val: torch.Tensor, check: torch.Tensor, stats: torch.Tensor, com
     return torch.cat([val, check, stats]), handle
 
 
-def send_scatter(sel: Selection, stats: torch.Tensor, comm: AlltoallCollectives,
-                 name: str) -> tuple[torch.Tensor, Any, int]:
-    """This rank's (index, value bits) pairs to the ranks that own their indices, by alltoall; the host reduces
-    only the statistics. Returns (payload, handle, rows sent)."""
-    rows, splits = scatter.route(sel.idx, sel.val, comm.size())
-    return stats, comm.alltoall_async(rows, splits, name), rows.shape[0]
+def send_scatter(sel: Selection, stats: torch.Tensor, comm: AlltoallCollectives, name: str, numel: int,
+                 bitmap: bool) -> tuple[torch.Tensor, Any, int]:
+    """This rank's selected entries to the ranks that own their indices, by alltoall; the host reduces only the
+    statistics. Returns (payload, handle, bytes sent)."""
+    data, splits = scatter.route(sel.idx, sel.val, comm.size(), numel, bitmap)
+    return stats, comm.alltoall_async(data, splits, name), data.numel() * data.element_size()
 
 
 HEADER_ROWS = 2  # per rank, before its pairs: (count, numel), (shape hash, ndim)
