@@ -128,10 +128,12 @@ def _bytes(label: str, ctx: transport.SparseCtx | None, numel: int, world: int) 
         return cost_model.transport_cost(cost_model.ALLREDUCE, numel, ctx.k, world, ctx.nstats).bytes
     if ctx.kind == transport.GATHER:
         return cost_model.transport_cost(cost_model.ALLGATHER, numel, ctx.idx.numel(), world, ctx.nstats).bytes
-    if ctx.kind == transport.SCATTER:  # the pairs this rank selected (a sampled threshold: about k), the kept sums
+    if ctx.kind == transport.SCATTER:  # the entries this rank selected (a sampled threshold: about k), the kept sums
         keep = cost_model.scatter_keep(ctx.k, numel, world)
-        return (cost_model.pairwise_alltoall(cost_model.PAIR_BYTES * ctx.idx.numel(), world)
-                + cost_model.ring_allgather(cost_model.PAIR_BYTES * keep, world)
+        bitmap = cost_model.scatter_bitmap(ctx.k, numel, world)
+        sent = world * cost_model.scatter_part_bytes(ctx.idx.numel() / world, numel, world, bitmap)
+        return (cost_model.pairwise_alltoall(sent, world)
+                + cost_model.ring_allgather(cost_model.scatter_part_bytes(keep, numel, world, bitmap), world)
                 + cost_model.ring_allreduce(4.0 * ctx.nstats, world)).bytes
     values = cost_model.ring_allreduce(4.0 * (ctx.k + cost_model.AGREED_CHECK + ctx.nstats), world).bytes
     if label == "reduced":
