@@ -56,6 +56,18 @@ def test_the_heavier_transport_must_be_faster_by_more_than_omega(ga_time, expect
     assert plans[first_ga:].count(GA) <= TRANSPORT_SKIP + TRANSPORT_WINDOW + 2 or expect == GA
 
 
+def test_a_candidate_with_exactly_the_same_bytes_is_not_timed():
+    """The sparse reduce-scatter on 2 ranks is the allgather (the codec prices it so): the earlier candidate is
+    used and the other is never timed."""
+    sc = cm.SCATTER
+    c = TransportChoice((GA, sc), omega=0.1)
+    plans = _feed(c, 60, {GA: 0.1, sc: 0.05}, {GA: 4e5, sc: 4e5})
+    assert set(plans) == {GA} and c.summary()["decided"] == {100.0: GA}
+    c = TransportChoice((GA, sc), omega=0.1)  # from 3 ranks it sends fewer bytes: the default, and it stays
+    plans = _feed(c, 60, {GA: 0.1, sc: 0.1}, {GA: 4e5, sc: 2e5})
+    assert plans[2] == sc and plans[-1] == sc and c.summary()["decided"] == {100.0: sc}  # observed one step late
+
+
 def test_the_cost_model_with_measured_seconds_per_byte_rules_a_slow_transport_out():
     c = TransportChoice((AG, GA), omega=0.1)
     unsettled = CfState(False, 10.0, 1)
@@ -179,7 +191,7 @@ def test_default_transports_and_check_transport():
 
     for make in (lambda **kw: AdaptiveCompression("topk", **kw), lambda **kw: GravacCompression("topk", **kw)):
         assert make().driver.transport == "auto"
-        assert make().driver.transports.candidates == (cm.SCATTER, cm.ALLGATHER)
+        assert make().driver.transports.candidates == (cm.ALLGATHER, cm.SCATTER)
     for make in (lambda **kw: AdaptiveState(**kw), lambda **kw: AdaptiveState(policy="gravac", **kw),
                  lambda **kw: StaticCompression("topk", **kw), lambda **kw: AdaptiveState(policy="static", **kw)):
         assert make().driver.transport == cm.ALLGATHER and make().driver.transports is None

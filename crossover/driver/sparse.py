@@ -56,9 +56,10 @@ ALLTOALL_DEFAULT_TRANSPORT = "auto"
 
 
 def auto_candidates(alltoall: bool) -> tuple[str, str]:
-    """What ``transport="auto"`` chooses between: the sparse reduce-scatter and the allgather on a host with an
-    alltoall (Horovod), else the agreed index set and the allgather (the DDP hook)."""
-    return (cost_model.SCATTER if alltoall else cost_model.AGREED, cost_model.ALLGATHER)
+    """What ``transport="auto"`` chooses between: the allgather and the sparse reduce-scatter on a host with an
+    alltoall (Horovod; the allgather first: on 2 ranks, where the two send the same bytes, it is the one used),
+    else the agreed index set and the allgather (the DDP hook)."""
+    return (cost_model.ALLGATHER, cost_model.SCATTER) if alltoall else (cost_model.AGREED, cost_model.ALLGATHER)
 
 
 def check_transport(transport: object, *, none_ok: bool = False) -> str | None:

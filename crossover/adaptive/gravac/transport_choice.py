@@ -7,8 +7,9 @@ sizes, k and the world size: the same on every rank). It never touches a tensor.
 
 Per compressed CF:
 
-* **default**: the candidate with the fewest predicted bytes (for rank-specific top-k at any W >= 2: the agreed
-  index set, whose bytes per worker do not grow with W; the allgather of pairs grows linearly);
+* **default**: the candidate with the fewest predicted bytes, the earlier candidate on a tie (for rank-specific
+  top-k: the sparse reduce-scatter from 3 ranks on Horovod, the agreed index set at any W >= 2 on the DDP hook,
+  whose bytes per worker do not grow with W; the allgather of pairs grows linearly);
 * **measured**: once the CF policy has settled on a CF and the default has been timed there for a window, each
   other candidate is timed for a window too, unless the cost model predicts it slower by more than omega:
   predicted time = the default's median + (its bytes - the default's) x the seconds per byte measured between
@@ -16,6 +17,8 @@ Per compressed CF:
   bytes replaces the default only when its median step time is lower by more than omega (fewer bytes is what
   keeps paying as workers are added, as the ladder prefers the lower CF within omega); one that sends fewer
   replaces it when it is no slower than omega allows;
+* a candidate predicted to send exactly the current one's bytes is the same transport in effect (the sparse
+  reduce-scatter on 2 ranks is the allgather) and is not timed;
 * the decision holds until the CF policy begins another search.
 
 Tunables: ``tunables.py`` (TRANSPORT_WINDOW, TRANSPORT_SKIP, TRANSPORT_HISTORY). See docs/scaling.md.
@@ -143,6 +146,9 @@ class TransportChoice:
             if alt in judged:
                 continue
             judged.add(alt)
+            known = self._bytes.get(cf, {})
+            if alt in known and current in known and known[alt] == known[current]:
+                continue  # the same bytes to the byte: the same transport in effect (the reduce-scatter on 2 ranks)
             predicted = self._predict(cf, current, alt, ref)
             if predicted is not None and predicted > ref * (1.0 + self.omega):
                 log.debug("CF %g: transport %s predicted %.1f ms against %s's %.1f ms: not timed", cf, alt,
