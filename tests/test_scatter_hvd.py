@@ -116,3 +116,46 @@ def test_auto_every_rank_decides_the_same_transport_and_cf():
         assert r["choice"] == res[0]["choice"]
     assert {row[1] for row in t0 if row[0] > 1} >= {"scatter"}, t0[::10]
     assert len({row[0] for row in t0}) >= 2, "the CF never changed: the test would not see a disagreement"
+
+
+def process_set_job(steps: int) -> dict:
+    import horovod.torch as hvd
+
+    from crossover import StaticCompression
+
+    ps = hvd.add_process_set([1, 2, 3])
+    if not ps.included():  # rank 0 only takes part in creating and removing the set
+        hvd.remove_process_set(ps)
+        return {"excluded": True}
+    comp = StaticCompression("topk", cf=8.0, transport="scatter")
+    p = torch.nn.Parameter(torch.zeros(N))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)], compression=comp,
+                                   process_set=ps)
+    worst, same = 0.0, True
+    for step in range(steps):
+        before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
+        g = _rank_grad(step)
+        opt.zero_grad()
+        (p * g).sum().backward()
+        opt.synchronize()
+        got = p.grad.detach().clone()
+        every = hvd.allgather(got.unsqueeze(0), name="test.ps.out", process_set=ps)
+        same &= bool(torch.equal(every, every[0:1].expand_as(every)))
+        applied = hvd.allgather(((g + before) - comp._residuals["w"]).unsqueeze(0), name="test.ps.applied",
+                                process_set=ps)
+        worst = max(worst, float((applied.mean(0) - got).abs().max() / applied.abs().max()))
+    out = {"excluded": False, "same": same, "worst_avg": worst, "transport": comp.stats()["transport"],
+           "world": comp.comm.size()}
+    hvd.remove_process_set(ps)
+    return out
+
+
+def test_scatter_on_a_process_set():
+    """Three of four ranks in a process set: the alltoall and the allgather stay inside it."""
+    res = run_function(process_set_job, np=4, args=[POISON_STEP], timeout=240,
+                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    members = [r for r in res if not r["excluded"]]
+    assert len(members) == 3
+    for r in members:
+        assert r["same"] and r["worst_avg"] < 1e-6, r
+        assert r["transport"] == "scatter" and r["world"] == 3
