@@ -29,6 +29,16 @@ def _rank_grad(step: int) -> torch.Tensor:
     return g
 
 
+def _step(comp, p: torch.nn.Parameter, opt, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of this rank's gradient: (gradient, residual before, averaged gradient decoded)."""
+    before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
+    g = _rank_grad(step)
+    opt.zero_grad()
+    (p * g).sum().backward()
+    opt.synchronize()
+    return g, before, p.grad.detach().clone()
+
+
 def scatter_job(steps: int, cf: float) -> dict:
     import horovod.torch as hvd
 
@@ -39,12 +49,7 @@ def scatter_job(steps: int, cf: float) -> dict:
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)], compression=comp)
     out = {"worst_avg": 0.0, "same": True, "applied": [], "nan_step": None, "restored": None, "owned_only": True}
     for step in range(steps):
-        before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
-        g = _rank_grad(step)
-        opt.zero_grad()
-        (p * g).sum().backward()
-        opt.synchronize()
-        got = p.grad.detach().clone()
+        g, before, got = _step(comp, p, opt, step)
         every = hvd.allgather(got.unsqueeze(0), name="test.out")
         out["same"] &= bool(torch.equal(torch.nan_to_num(every, 7.0), torch.nan_to_num(every[0:1].expand_as(every),
                                                                                           7.0)))
@@ -133,12 +138,7 @@ def process_set_job(steps: int) -> dict:
                                    process_set=ps)
     worst, same = 0.0, True
     for step in range(steps):
-        before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
-        g = _rank_grad(step)
-        opt.zero_grad()
-        (p * g).sum().backward()
-        opt.synchronize()
-        got = p.grad.detach().clone()
+        g, before, got = _step(comp, p, opt, step)
         every = hvd.allgather(got.unsqueeze(0), name="test.ps.out", process_set=ps)
         same &= bool(torch.equal(every, every[0:1].expand_as(every)))
         applied = hvd.allgather(((g + before) - comp._residuals["w"]).unsqueeze(0), name="test.ps.applied",
