@@ -70,11 +70,13 @@ class SparseCodec:
         self._scores: dict[str, torch.Tensor] = {}
         self._regions: dict[str, torch.Tensor] = {}  # key -> float32 zeros (SCATTER: this rank's owned sums)
         self._marks: dict[str, torch.Tensor] = {}  # key -> bool False (SCATTER: the kept indices, briefly)
+        self._scatters: list[transport.SparseCtx] = []  # SCATTER tensors of the step whose allgather has not begun
 
     def forget_agreed(self) -> None:
         """Drop every agreed index set (elastic reset): the next step of each tensor draws its set from the
-        shared seed. Call it on every rank alike."""
+        shared seed. Call it on every rank alike. Reduce-scattered tensors of an abandoned step are forgotten too."""
         self._agreed.clear()
+        self._scatters = []
 
     def agreed_state(self) -> dict[str, list]:
         """The agreed index sets (the same on every rank), as plain values for a checkpoint."""
@@ -167,7 +169,8 @@ class SparseCodec:
             payload, ctx.handle, nbytes = transport.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
                                                                  numel, cost_model.scatter_bitmap(k, numel,
                                                                                                   comm.size()))
-            ctx.kind, ctx.k = transport.SCATTER, k
+            ctx.kind, ctx.k, ctx.step = transport.SCATTER, k, rec.step
+            self._scatters = [c for c in self._scatters if c.step == rec.step] + [ctx]  # drop an abandoned step's
             return payload, ctx, nbytes + stats.numel() * 4
         rows = sel.idx.numel()
         if self.fixed_gather:
@@ -268,24 +271,18 @@ class SparseCodec:
 
     def _receive_scatter(self, ctx: transport.SparseCtx, comm: Collectives, stats: torch.Tensor,
                          out: torch.Tensor) -> torch.Tensor:
-        """Sum the pairs this rank owns, keep the largest, gather every owner's, scatter them into `out`, and
-        return to the residual what this rank sent that no owner kept. A non-finite step (the reduced
-        statistics, the same on every rank) stops after the alltoall on every rank: no allgather."""
-        received = comm.wait(ctx.handle)  # always: it completes everywhere
+        """Scatter every owner's kept sums into `out` and return to the residual what this rank sent that no owner
+        kept. The first decode of a step starts the allgathers of every reduce-scattered tensor of the step
+        (`_start_gathers`): they travel together instead of one round trip after another. A non-finite step
+        (the reduced statistics, the same on every rank) decodes nothing: `decode` fills NaN."""
+        if ctx.gather is None:
+            self._start_gathers(comm, ctx)
+        gathered = comm.wait(ctx.gather)  # always: every rank started it
         if not bool(torch.isfinite(stats).all()):
             return out
-        world, rank, numel = comm.size(), comm.rank(), ctx.numel
+        world, numel = comm.size(), ctx.numel
         keep = cost_model.scatter_keep(ctx.k, numel, world)
-        bitmap = cost_model.scatter_bitmap(ctx.k, numel, world)
-        size = scatter.stretch(numel, world)
-        region = self._regions.get(ctx.key)
-        if region is None or region.numel() < size or region.device != out.device:
-            region = self._regions[ctx.key] = torch.zeros(size, dtype=torch.float32, device=out.device)
-        pos, val = scatter.unpack_received(received, rank, world, numel, bitmap, ctx.key)
-        pos, sums = scatter.reduce_owned(pos, val, keep, region)
-        mine = scatter.pack_kept(pos, sums, rank, world, numel, keep, bitmap)
-        gathered = comm.wait(comm.allgather_async(mine, f"crossover.scatter.{ctx.key}"))
-        idx, val = scatter.unpack_kept(gathered, world, numel, keep, bitmap)
+        idx, val = scatter.unpack_kept(gathered, world, numel, keep, cost_model.scatter_bitmap(ctx.k, numel, world))
         kernels.zero_scatter(out, idx, val.contiguous(), float(stats[0]) / world)
         if ctx.residual is not None and ctx.idx is not None and ctx.idx.numel():
             marks = self._marks.get(ctx.key)
@@ -294,6 +291,28 @@ class SparseCodec:
             gone = scatter.lost(ctx.idx, idx, marks)
             kernels.scatter_add(ctx.residual, ctx.idx[gone].contiguous(), ctx.val[gone].contiguous())
         return out
+
+    def _start_gathers(self, comm: Collectives, ctx: transport.SparseCtx) -> None:
+        """For `ctx` and every other reduce-scattered tensor of its step not begun yet, in encode order: wait for
+        the alltoall, sum what this rank owns, keep the largest, start the allgather of the kept sums. Every
+        rank starts every one of them, whatever its statistics say (a non-finite sum is gathered, then dropped)."""
+        todo = [c for c in self._scatters if c.step == ctx.step and c.gather is None]
+        if ctx not in todo:
+            todo.append(ctx)
+        self._scatters = []
+        world, rank = comm.size(), comm.rank()
+        for c in todo:
+            numel = c.numel
+            bitmap = cost_model.scatter_bitmap(c.k, numel, world)
+            keep = cost_model.scatter_keep(c.k, numel, world)
+            size = scatter.stretch(numel, world)
+            region = self._regions.get(c.key)
+            if region is None or region.numel() < size or region.device != c.grad.device:
+                region = self._regions[c.key] = torch.zeros(size, dtype=torch.float32, device=c.grad.device)
+            pos, val = scatter.unpack_received(comm.wait(c.handle), rank, world, numel, bitmap, c.key)
+            pos, sums = scatter.reduce_owned(pos, val, keep, region)
+            c.gather = comm.allgather_async(scatter.pack_kept(pos, sums, rank, world, numel, keep, bitmap),
+                                            f"crossover.scatter.{c.key}")
 
     def _propose(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, sel: Selection,
                  world: int) -> torch.Tensor:

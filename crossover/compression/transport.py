@@ -51,7 +51,8 @@ class SparseCtx:
     local_finite: bool = True  # this rank's gradient (+ residual) statistics were finite
     stats_apart: torch.Tensor | None = None  # a dense payload's statistics, for the host to reduce on its own
     stats_handle: Any = None  # the host's reduction of stats_apart in flight
-    step: int = 0  # AGREED: the step, and the fingerprint of the set this rank used
+    gather: Any = None  # SCATTER: the allgather of the owners' kept sums, once started
+    step: int = 0  # AGREED, SCATTER: the step; AGREED: the fingerprint of the set this rank used
     hashes: tuple[int, int] = (0, 0)
 
 
