@@ -297,7 +297,7 @@ class SparseCodec:
         the alltoall, sum what this rank owns, keep the largest, start the allgather of the kept sums. Every
         rank starts every one of them, whatever its statistics say (a non-finite sum is gathered, then dropped)."""
         todo = [c for c in self._scatters if c.step == ctx.step and c.gather is None]
-        if ctx not in todo:
+        if not any(c is ctx for c in todo):  # identity: a context holds tensors
             todo.append(ctx)
         self._scatters = []
         world, rank = comm.size(), comm.rank()
