@@ -142,6 +142,7 @@ class Method:
         self.blocks: list[tuple[int, int]] = []  # (first record, end) of each timed block, in rounds
         self.settled: list[float | None] = []  # the adaptive policy's settled CF at each timed step
         self.wire: list[tuple[int, int]] = []  # (tx bytes, steps) per timed block
+        self._own, self._since = 0.0, None  # seconds in this method's finished steps; start of the one running
         self.model = model
         if name == "compute":
             self.opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -161,10 +162,10 @@ class Method:
             comp = hvd.Compression.none
         elif arg == "off":
             comp = AdaptiveCompression(enabled=False)
-        elif arg == "adaptive":
-            comp = AdaptiveCompression()
+        elif arg == "adaptive":  # on its own steps' clock: the other methods' turns are not its step time
+            comp = AdaptiveCompression(clock=self.own_clock)
         elif arg == "warmup":  # every step dense and measured (GraVAC's warm-up): the statistics' own cost
-            comp = AdaptiveCompression(warmup_steps=10**9)
+            comp = AdaptiveCompression(warmup_steps=10**9, clock=self.own_clock)
         else:
             cname, _, cf = arg.partition(":")
             comp = StaticCompression(cname, cf=float(cf))
@@ -195,7 +196,8 @@ class Method:
         net = torch.nn.parallel.DistributedDataParallel(self.model)
         if arg != "none":
             if arg == "adaptive":
-                self.state = AdaptiveState(momentum=0.0)  # the optimizer's (plain SGD), as a DDP user says it
+                # the optimizer's momentum (plain SGD), as a DDP user says it; its own steps' clock, as hvd-adaptive
+                self.state = AdaptiveState(momentum=0.0, clock=self.own_clock)
             else:
                 cname, _, cf = arg.partition(":")
                 self.state = AdaptiveState(policy="static", cf=float(cf), compressor=cname)
@@ -223,6 +225,11 @@ class Method:
         p = self.policy
         return float(p.send_cf) if isinstance(p, GravacPolicy) and p.settled else None
 
+    def own_clock(self) -> float:
+        """Seconds spent in this method's own steps: the clock its adaptive policy sees (the methods take turns,
+        and another method's turn is not this method's step time)."""
+        return self._own + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
     def step(self, x: Any, y: Any, record: bool) -> None:
         import torch
 
@@ -230,7 +237,7 @@ class Method:
         clock = time.perf_counter
         before = self.settled_cf()
         c0 = time.process_time()
-        t0 = clock()
+        t0 = self._since = clock()
         self.opt.zero_grad()
         if self.kind == "ddp":
             loss = f(self.net(x), y)
@@ -252,6 +259,8 @@ class Method:
                 t3 = t2
                 self.opt.step()
         t4 = clock()
+        self._own += t4 - t0
+        self._since = None
         acc = self.timer.take()
         if not record:
             return

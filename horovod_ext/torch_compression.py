@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import horovod.torch as hvd
@@ -52,9 +52,12 @@ class _SparseCompression(TorchHookBase):
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
                  seed: int, log_csv: str | None, transport: str, tensorboard: Any = None,
-                 momentum: float | None = None) -> None:
+                 momentum: float | None = None, clock: Callable[[], float] | None = None) -> None:
         check_transport(transport)
+        if clock is not None and not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
         super().__init__(min_compress_numel=min_compress_numel)
+        self.clock = clock or time.perf_counter  # GraVAC's step time: the difference between two step starts
         self._momentum_setting = check_momentum(momentum)
         self.momentum = self._momentum_setting or 0.0  # reported to the policy, which caps the CF by it
         # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
@@ -86,7 +89,7 @@ class _SparseCompression(TorchHookBase):
 
     # ------------------------------------------------------------------ TorchHookBase
     def _begin_step(self) -> None:
-        self.driver.begin_step(time.perf_counter())
+        self.driver.begin_step(self.clock())
 
     def _count(self, sent: int, dense: int) -> None:
         self.driver.count(sent, dense)
@@ -192,14 +195,19 @@ class GravacCompression(_SparseCompression):
     reduce-scatter's bytes per worker stay flat as workers are added, and on 2 ranks it is the allgather),
     "scatter" or "allgather" (always that one), "agreed" (values at an index set agreed the step before, by
     allreduce; opt-in: it lost accuracy at CF 10 on 4-8 ranks). docs/scaling.md.
+    `clock`: a callable returning seconds (default `time.perf_counter`), as the DDP hook's: GraVAC's step time is
+    the difference between two step starts, and a clock that stops while the process does other work between
+    steps (evaluation, another model trained in the same loop) keeps that work out of the throughput it compares.
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
                  enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
-                 momentum: float | None = None, transport: str = ALLTOALL_DEFAULT_TRANSPORT, **gravac: Any) -> None:
+                 momentum: float | None = None, transport: str = ALLTOALL_DEFAULT_TRANSPORT,
+                 clock: Callable[[], float] | None = None, **gravac: Any) -> None:
         pol = gravac_or_dense(enabled, **gravac)
         super().__init__(compressor, pol, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                         seed=seed, log_csv=log_csv, transport=transport, tensorboard=tensorboard, momentum=momentum)
+                         seed=seed, log_csv=log_csv, transport=transport, tensorboard=tensorboard, momentum=momentum,
+                         clock=clock)
         self.enabled = bool(enabled)
 
 

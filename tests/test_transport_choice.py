@@ -238,3 +238,18 @@ def test_only_the_transport_choice_makes_the_codec_price_transports(transport):
     codec.encode("w", torch.randn(30_000), drv.current, 0.0, group.rank_view(0))
     assert bool(drv.current.transport_bytes) == (transport == "auto")
     assert "wants_costs" not in drv.current.to_dict()
+
+
+def test_the_horovod_objects_take_a_clock_like_the_ddp_hook():
+    """GraVAC's step time comes from `clock` (a clock that stops between steps keeps other work out of it); a
+    clock that is not callable fails at construction."""
+    from crossover import AdaptiveCompression
+
+    now = [100.0]
+    comp = AdaptiveCompression(clock=lambda: now[0])
+    comp._begin_step()
+    now[0] += 0.25  # the step took a quarter of a second on that clock, whatever the wall clock did
+    comp._begin_step()
+    assert comp.driver.last_step_time == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="clock must be a callable"):
+        AdaptiveCompression(clock=3.0)
