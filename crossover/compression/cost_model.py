@@ -39,7 +39,8 @@ from dataclasses import dataclass
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
            "allgather_bytes", "allreduce_bytes", "choose_transport", "pairwise_alltoall", "ring_allgather",
-           "ring_allreduce", "scatter_bitmap", "scatter_keep", "scatter_part_bytes", "transport_cost"]
+           "ring_allreduce", "scatter_bitmap", "scatter_bitmap_bytes", "scatter_keep", "scatter_part_bytes",
+           "transport_cost"]
 
 DENSE = "dense"  # allreduce of the whole (error-compensated) tensor
 ALLREDUCE = "allreduce"  # allreduce of values at indices every rank shares
@@ -142,8 +143,9 @@ def scatter_keep(k: int, numel: int, world: int) -> int:
     return max(0, min(-(-int(k) // w), int(numel) // w))
 
 
-def _stretch_bitmap_bytes(numel: int, world: int) -> int:
-    """Bytes of the bitmap of one owner's stretch (``scatter.bitmap_bytes``: ceil(n / W) bits, to 4 bytes)."""
+def scatter_bitmap_bytes(numel: int, world: int) -> int:
+    """Bytes of the bitmap of one owner's stretch in the sparse reduce-scatter: a bit per position of the longest
+    stretch, ``ceil(n / W)``, rounded up to 4 bytes so that the float32 values after it stay aligned."""
     positions = math.ceil(int(numel) / max(1, int(world)))
     return math.ceil(positions / 32) * 4
 
@@ -151,12 +153,12 @@ def _stretch_bitmap_bytes(numel: int, world: int) -> int:
 def scatter_bitmap(k: int, numel: int, world: int) -> bool:
     """Whether the sparse reduce-scatter sends bitmaps + values (else (index, value) pairs): when an owner's kept
     sums cost fewer bytes that way, ``bitmap + 4 keep < 8 keep`` (about k > n / 32). The same on every rank."""
-    return _stretch_bitmap_bytes(numel, world) < INDEX_BYTES * scatter_keep(k, numel, world)
+    return scatter_bitmap_bytes(numel, world) < INDEX_BYTES * scatter_keep(k, numel, world)
 
 
 def scatter_part_bytes(entries: float, numel: int, world: int, bitmap: bool) -> float:
     """Bytes of one message of the sparse reduce-scatter carrying ``entries`` entries to or from one owner."""
-    return _stretch_bitmap_bytes(numel, world) + VALUE_BYTES * entries if bitmap else PAIR_BYTES * entries
+    return scatter_bitmap_bytes(numel, world) + VALUE_BYTES * entries if bitmap else PAIR_BYTES * entries
 
 
 def allreduce_bytes(elements: int, world_size: int, width: int = VALUE_BYTES) -> float:

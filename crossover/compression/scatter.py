@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .cost_model import scatter_bitmap_bytes
+
 __all__ = ["bitmap_bytes", "lost", "pack_kept", "reduce_owned", "route", "stretch", "unpack_kept",
            "unpack_received"]
 
@@ -46,9 +48,8 @@ def stretch(numel: int, world: int) -> int:
 
 
 def bitmap_bytes(numel: int, world: int) -> int:
-    """Bytes of one stretch's bitmap: a bit per position of the longest stretch, rounded up to 4 bytes so that
-    the float32 values after it stay aligned."""
-    return -(-stretch(numel, world) // 32) * 4
+    """Bytes of one stretch's bitmap (``cost_model.scatter_bitmap_bytes``, whose rule the wire follows)."""
+    return scatter_bitmap_bytes(numel, world)
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:

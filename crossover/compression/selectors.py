@@ -46,10 +46,13 @@ class _Buffers:
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, str], torch.Tensor] = {}
 
-    def get(self, key: str, what: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(self, key: str, what: str, n: int, dtype: torch.dtype, device: torch.device, *,
+            zeroed: bool = False) -> torch.Tensor:
+        """`n` elements of the buffer (key, what); `zeroed`: all zero (False) when (re)allocated, for users that
+        leave it so after each use."""
         buf = self._bufs.get((key, what))
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(max(n, 1), dtype=dtype, device=device)
+            buf = (torch.zeros if zeroed else torch.empty)(max(n, 1), dtype=dtype, device=device)
             self._bufs[(key, what)] = buf
         return buf[:n]
 

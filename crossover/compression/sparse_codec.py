@@ -68,8 +68,6 @@ class SparseCodec:
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
         self._agreed: dict[str, agreed.AgreedSet] = {}  # key -> the index set agreed for its next step
         self._scores: dict[str, torch.Tensor] = {}
-        self._regions: dict[str, torch.Tensor] = {}  # key -> float32 zeros (SCATTER: this rank's owned sums)
-        self._marks: dict[str, torch.Tensor] = {}  # key -> bool False (SCATTER: the kept indices, briefly)
         self._scatters: list[transport.SparseCtx] = []  # SCATTER tensors of the step whose allgather has not begun
 
     def forget_agreed(self) -> None:
@@ -285,9 +283,7 @@ class SparseCodec:
         idx, val = scatter.unpack_kept(gathered, world, numel, keep, cost_model.scatter_bitmap(ctx.k, numel, world))
         kernels.zero_scatter(out, idx, val.contiguous(), float(stats[0]) / world)
         if ctx.residual is not None and ctx.idx is not None and ctx.idx.numel():
-            marks = self._marks.get(ctx.key)
-            if marks is None or marks.numel() != numel or marks.device != out.device:
-                marks = self._marks[ctx.key] = torch.zeros(numel, dtype=torch.bool, device=out.device)
+            marks = self.selector.buffers.get(ctx.key, "scatter-marks", numel, torch.bool, out.device, zeroed=True)
             gone = scatter.lost(ctx.idx, idx, marks)
             kernels.scatter_add(ctx.residual, ctx.idx[gone].contiguous(), ctx.val[gone].contiguous())
         return out
@@ -305,10 +301,8 @@ class SparseCodec:
             numel = c.numel
             bitmap = cost_model.scatter_bitmap(c.k, numel, world)
             keep = cost_model.scatter_keep(c.k, numel, world)
-            size = scatter.stretch(numel, world)
-            region = self._regions.get(c.key)
-            if region is None or region.numel() < size or region.device != c.grad.device:
-                region = self._regions[c.key] = torch.zeros(size, dtype=torch.float32, device=c.grad.device)
+            region = self.selector.buffers.get(c.key, "scatter-sums", scatter.stretch(numel, world), torch.float32,
+                                               c.grad.device, zeroed=True)
             pos, val = scatter.unpack_received(comm.wait(c.handle), rank, world, numel, bitmap, c.key)
             pos, sums = scatter.reduce_owned(pos, val, keep, region)
             c.gather = comm.allgather_async(scatter.pack_kept(pos, sums, rank, world, numel, keep, bitmap),
