@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shlex
 import socket
 import statistics
@@ -62,6 +63,8 @@ TARGETS = (("Horovod top-k vs DDP hook top-k, same CF", "hvd-topk:{cf}", "ddp-to
            ("AdaptiveCompression() settled at CF c vs StaticCompression at c", "hvd-adaptive@{cf}", "hvd-topk:{cf}",
             1.03),
            ("compression off vs stock Horovod", "hvd-off", "hvd-none", 1.02))
+CI_LEVEL = 0.90  # the bracket given beside each verdict: a 10-step block's median moves by tens of percent
+BOOTSTRAP_RESAMPLES = 2000  # enough for the 5th and 95th percentiles of the median to be stable to 0.001
 
 
 # --------------------------------------------------------------------------- workload
@@ -532,11 +535,24 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
         ratios = _paired(res["methods"][a_name], res["methods"][b_name], settled_only)
         t = {"target": title, "a": a_name, "b": b_name, "bound": bound, "ratio": _med(ratios) if ratios else None,
              "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None, "rounds": len(ratios),
-             "of_medians": _of_medians(res["methods"][a_name], res["methods"][b_name], settled_only)}
+             "of_medians": _of_medians(res["methods"][a_name], res["methods"][b_name], settled_only),
+             "ci": median_ci(ratios)}
         if t["ratio"] is not None:
             t["pass"] = t["ratio"] <= bound
         targets.append(t)
     return {"rows": rows, "targets": targets}
+
+
+def median_ci(xs: list[float], level: float = CI_LEVEL, resamples: int = BOOTSTRAP_RESAMPLES,
+              seed: int = 0) -> tuple[float, float] | None:
+    """A percentile-bootstrap interval of the median of `xs` (the rounds' ratios), with a fixed seed so that the
+    same records give the same report. None under 5 values (no interval worth printing)."""
+    if len(xs) < 5:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return meds[int(tail * (resamples - 1))], meds[int(round((1.0 - tail) * (resamples - 1)))]
 
 
 def _g(x: float) -> str:
@@ -581,19 +597,23 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "## Targets (issue 30)",
         "",
         "The verdict reads the median of the per-round ratios (each round's two blocks ran back to back, so the "
-        "machine's drift cancels); the ratio of the two whole-run medians is given beside it.",
+        f"machine's drift cancels). Beside it: a {CI_LEVEL:.0%} bootstrap interval of that median (where it "
+        "contains the bound, this run cannot tell the two apart at that bound), and the ratio of the two whole-run "
+        "medians.",
         "",
-        "| target | A / B | median ratio [min, max] over rounds | ratio of medians | bound | |",
-        "|---|---|---|---|---|---|",
+        f"| target | A / B | median ratio [min, max] over rounds | {CI_LEVEL:.0%} interval | ratio of medians "
+        "| bound | |",
+        "|---|---|---|---|---|---|---|",
     ]
     for t in summary["targets"]:
         if t["ratio"] is None:
-            lines.append(f"| {t['target']} | {t['a']} | {t.get('note', 'no rounds')} | - | {t['bound']:.2f}x | - |")
+            lines.append(f"| {t['target']} | {t['a']} | {t.get('note', 'no rounds')} | - | - | {t['bound']:.2f}x | - |")
             continue
         verdict = "PASS" if t["pass"] else "FAIL"
         om = "-" if t.get("of_medians") is None else f"{t['of_medians']:.3f}x"
+        ci = "-" if t.get("ci") is None else f"[{t['ci'][0]:.3f}, {t['ci'][1]:.3f}]"
         lines.append(f"| {t['target']} | {t['a']} / {t['b']} | {t['ratio']:.3f}x [{t['min']:.3f}, {t['max']:.3f}] "
-                     f"({t['rounds']} rounds) | {om} | {t['bound']:.2f}x | {verdict} |")
+                     f"({t['rounds']} rounds) | {ci} | {om} | {t['bound']:.2f}x | {verdict} |")
     lines += [
         "",
         "## Median step and its phases (ms)",
@@ -723,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=60, help="untimed steps per method first (default 60: the "
                    "adaptive methods search and settle)")
-    p.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
+    p.add_argument("--rounds", type=int, default=40,
+                   help="timed rounds (default 40: with 12 the per-round ratios' median moved by 0.2 between runs)")
     p.add_argument("--block", type=int, default=10, help="steps per method per round (default 10)")
     p.add_argument("--attrib-steps", type=int, default=10, help="steps per method of the attribution pass")
     p.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")

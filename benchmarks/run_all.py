@@ -264,7 +264,7 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 "every round: the median step and its phases, crossover's own work, the collectives after "
                 "Horovod's fusion and its negotiation (timeline), and the targets as per-round paired ratios. "
                 "Also written to docs/hvd-breakdown.md.",
-                [Run([py, "-m", f"{__package__}.bench_breakdown", "--rounds", "2" if quick else "30",
+                [Run([py, "-m", f"{__package__}.bench_breakdown", "--rounds", "2" if quick else "40",
                       "--warmup", "10" if quick else "60", "--json", str(out / "breakdown.json"),
                       *(["--md", ""] if quick else [])])],
                 needs_netem=True, minutes=3),
