@@ -382,3 +382,32 @@ def test_build_failure_warns_once_and_returns_none(tmp_path, monkeypatch, caplog
         assert K.build_kernels() is None
     assert len([r for r in caplog.records if r.name == K.__name__]) == 1
     assert os.listdir(tmp_path / "kernels") == []  # the failed attempt left nothing behind
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 1001])
+def test_bitmap_pack_and_add_round_trip(impl, n):
+    gen = torch.Generator().manual_seed(n)
+    k = max(1, n // 3)
+    idx = torch.randperm(n, generator=gen)[:k].to(torch.int32)
+    idx = torch.cat([idx, idx[:1]])  # one index twice: its values add up
+    val = torch.randn(idx.numel(), generator=gen)
+    nbytes = -(-n // 64) * 8
+    bits = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+    vals = torch.full((k + 3,), 7.0)
+    c = K.bitmap_pack(idx, val, n, bits, vals)
+    assert c == k and bool((vals[c:] == 0).all())
+    out = torch.full((n,), 1.0)
+    assert K.bitmap_add(out, bits, vals, 0.5) == k
+    want = torch.ones(n)
+    want.index_add_(0, idx.long(), val, alpha=0.5)
+    torch.testing.assert_close(out, want)
+
+
+def test_bitmap_add_refuses_marks_beyond_the_tensor_or_its_values(impl):
+    with pytest.raises(ValueError, match="beyond"):
+        K.bitmap_add(torch.zeros(9), torch.tensor([0, 2], dtype=torch.uint8), torch.ones(4))
+    with pytest.raises(ValueError, match="more elements"):
+        K.bitmap_add(torch.zeros(16), torch.tensor([7, 0], dtype=torch.uint8), torch.ones(2))
+    with pytest.raises((IndexError, RuntimeError)):  # C: IndexError; torch's index_add_: its own error
+        K.bitmap_pack(torch.tensor([9], dtype=torch.int32), torch.ones(1), 9, torch.zeros(2, dtype=torch.uint8),
+                      torch.zeros(1))

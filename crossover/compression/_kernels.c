@@ -328,3 +328,73 @@ int cx_random_indices(int64_t numel, int64_t k, uint64_t seed, int32_t *out)
     }
     return 0;
 }
+
+/* Position of the lowest set bit of a non-zero byte. */
+static int low_bit(unsigned b)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctz(b);
+#else
+    int t = 0;
+    while (!(b & 1u)) {
+        b >>= 1;
+        t++;
+    }
+    return t;
+#endif
+}
+
+/* A selection as a bitmap and its values in index order (the allgather's bitmap format):
+ * bits[0..nbytes) = the set of idx (bit j of byte i = element 8 i + j), vals[0..c) = the values of the set
+ * bits in index order, a repeated index's values added up; scratch holds n floats (any content). Returns c,
+ * -1 when an index is outside [0, n) or n > 8 nbytes (nothing meaningful written), -2 when c > cap. */
+int cx_bitmap_pack(const int32_t *idx, const float *val, int64_t k, int64_t n, uint8_t *bits,
+                       int64_t nbytes, float *scratch, float *vals, int64_t cap)
+{
+    if (n > 8 * nbytes || check_indices(idx, k, n))
+        return -1;
+    memset(bits, 0, (size_t)nbytes);
+    for (int64_t j = 0; j < k; j++) {
+        int32_t i = idx[j];
+        uint8_t m = (uint8_t)(1u << (i & 7));
+        if (bits[i >> 3] & m) {
+            scratch[i] += val[j];
+        } else {
+            bits[i >> 3] |= m;
+            scratch[i] = val[j];
+        }
+    }
+    int64_t c = 0;
+    for (int64_t b = 0; b < nbytes; b++) {
+        unsigned byte = bits[b];
+        while (byte) {
+            if (c >= cap)
+                return -2;
+            vals[c++] = scratch[b * 8 + low_bit(byte)];
+            byte &= byte - 1;
+        }
+    }
+    return (int)c; /* c <= k <= n < 2^31 */
+}
+
+/* out[i] += scale * vals[c] for the c-th set bit i of bits (index order); n < 2^31. Returns the number of set bits,
+ * -1 when a bit marks an element at or beyond n, -2 when the bits outnumber the nvals values; on an error
+ * out may be partly updated (the caller raises). */
+int cx_bitmap_add(float *out, int64_t n, const uint8_t *bits, int64_t nbytes, const float *vals,
+                      int64_t nvals, float scale)
+{
+    int64_t c = 0;
+    for (int64_t b = 0; b < nbytes; b++) {
+        unsigned byte = bits[b];
+        while (byte) {
+            int64_t i = b * 8 + low_bit(byte);
+            if (i >= n)
+                return -1;
+            if (c >= nvals)
+                return -2;
+            out[i] += scale * vals[c++];
+            byte &= byte - 1;
+        }
+    }
+    return (int)c; /* c <= n < 2^31 */
+}

@@ -13,7 +13,8 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 
 * ``DENSE``: allreduce of the n values (and the statistics);
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
-* ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, the statistics by allreduce;
+* ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, or of a bitmap of the whole
+  tensor plus the k values where that costs less (``gather_bitmap``: about CF < 32), the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
   allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 2
   (``agreed_share``, ``agreed.py``);
@@ -38,7 +39,8 @@ from dataclasses import dataclass
 
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
-           "allgather_bytes", "allreduce_bytes", "choose_transport", "pairwise_alltoall", "ring_allgather",
+           "allgather_bytes", "allreduce_bytes", "choose_transport", "gather_bitmap", "gather_bitmap_bytes",
+           "gather_part_bytes", "pairwise_alltoall", "ring_allgather",
            "ring_allreduce", "scatter_bitmap", "scatter_bitmap_bytes", "scatter_keep", "scatter_part_bytes",
            "transport_cost"]
 
@@ -161,6 +163,25 @@ def scatter_part_bytes(entries: float, numel: int, world: int, bitmap: bool) -> 
     return scatter_bitmap_bytes(numel, world) + VALUE_BYTES * entries if bitmap else PAIR_BYTES * entries
 
 
+def gather_bitmap_bytes(numel: int) -> int:
+    """Bytes of the bitmap of a whole tensor in the allgather: a bit per element, in whole rows of the allgather's
+    payload (two int32: 64 bits)."""
+    return math.ceil(int(numel) / 64) * 8
+
+
+def gather_bitmap(k: int, numel: int) -> bool:
+    """Whether a rank's k selected entries of ``numel`` go by allgather as a bitmap + values (else (index, value)
+    pairs): when the bitmap costs less than the indices, ``bitmap < 4 k`` (about k > n / 32). The same on every
+    rank."""
+    return gather_bitmap_bytes(numel) < INDEX_BYTES * int(k)
+
+
+def gather_part_bytes(k: int, numel: int, bitmap: bool) -> float:
+    """Bytes of one rank's part of the allgather (header aside): k pairs, or the bitmap and the k values in whole
+    rows of two."""
+    return gather_bitmap_bytes(numel) + 2 * VALUE_BYTES * math.ceil(int(k) / 2) if bitmap else PAIR_BYTES * int(k)
+
+
 def allreduce_bytes(elements: int, world_size: int, width: int = VALUE_BYTES) -> float:
     """Bytes one rank sends (and receives) in a ring allreduce of ``elements`` values of ``width`` bytes."""
     return ring_allreduce(float(elements) * width, world_size).bytes
@@ -191,7 +212,8 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
     if kind == ALLREDUCE:
         return ring_allreduce(4.0 * (k + nstats), world)
     if kind == ALLGATHER:
-        return ring_allgather(PAIR_BYTES * k + GATHER_HEADER_BYTES, world) + ring_allreduce(4.0 * nstats, world)
+        part = gather_part_bytes(k, numel, gather_bitmap(k, numel))
+        return ring_allgather(part + GATHER_HEADER_BYTES, world) + ring_allreduce(4.0 * nstats, world)
     if kind == AGREED:
         values = ring_allreduce(4.0 * (k + AGREED_CHECK + nstats), world)
         m = agreed_proposals(k, numel, world)

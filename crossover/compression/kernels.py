@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from crossover.compression import _native
+from crossover.compression import _native, bitmap
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ _SIGNATURES = {
     "cx_zero_scatter": [_P, _I64, _P, _P, _I64, ctypes.c_float],
     "cx_sample_abs": [_P, _P, _I64, _I64, _P],
     "cx_random_indices": [_I64, _I64, ctypes.c_uint64, _P],
+    "cx_bitmap_pack": [_P, _P, _I64, _I64, _P, _I64, _P, _P, _I64],
+    "cx_bitmap_add": [_P, _I64, _P, _I64, _P, _I64, ctypes.c_float],
 }
 
 
@@ -348,6 +350,62 @@ def gather_take(src: torch.Tensor, idx: torch.Tensor, out_val: torch.Tensor, zer
     if zero_src:
         src.index_fill_(0, il, 0)
     return _sumsq_torch(vals)
+
+
+def bitmap_pack(idx: torch.Tensor, val: torch.Tensor, numel: int, bits: torch.Tensor, vals: torch.Tensor,
+                scratch: torch.Tensor | None = None) -> int:
+    """A selection as a bitmap and values (the allgather's bitmap format, transport.py): ``bits`` (uint8, at least
+    ``numel`` bits) marks the indices (bit j of byte i = element 8 i + j, the rest clear), ``vals[:c]`` gets the
+    values in index order, a repeated index's values added up, ``vals[c:]`` zeros. ``scratch``: float32, ``numel``
+    elements, any content (the C path's; allocated when None). Returns c."""
+    _check_1d(idx=idx, val=val, bits=bits, vals=vals)
+    if val.numel() != idx.numel() or bits.numel() * 8 < numel or vals.numel() < min(idx.numel(), numel):
+        raise ValueError(f"bitmap_pack: {idx.numel()} indices, {val.numel()} values, {bits.numel()} bytes for "
+                         f"{numel} elements, room for {vals.numel()} values")
+    lib = _lib_if_enabled()
+    if (lib is not None and _f32(val, vals) and _cpu_contig(idx, torch.int32) and _cpu_contig(bits, torch.uint8)
+            and numel <= _MAX_NUMEL):
+        if scratch is None or not _f32(scratch) or scratch.numel() < numel:
+            scratch = torch.empty(max(numel, 1), dtype=torch.float32)
+        c = lib.cx_bitmap_pack(idx.data_ptr(), val.data_ptr(), idx.numel(), numel, bits.data_ptr(), bits.numel(),
+                               scratch.data_ptr(), vals.data_ptr(), vals.numel())
+        _raise_index(min(c, 0), "bitmap_pack")
+        vals[c:].zero_()
+        return c
+    il = idx.long()
+    mask = torch.zeros(bits.numel() * 8, dtype=torch.bool, device=idx.device)
+    mask[il] = True
+    dense = torch.zeros(numel, dtype=torch.float32, device=val.device)
+    dense.index_add_(0, il, val.to(torch.float32))
+    got = dense[mask[:numel]]
+    bits.copy_(bitmap.pack_bits(mask))
+    vals[:got.numel()] = got
+    vals[got.numel():].zero_()
+    return got.numel()
+
+
+def bitmap_add(out: torch.Tensor, bits: torch.Tensor, vals: torch.Tensor, scale: float = 1.0) -> int:
+    """``out[i] += scale * vals[c]`` for the c-th set bit i of ``bits`` (index order); returns the set bits.
+    Raises ValueError when a bit marks an element beyond ``out`` or the bits outnumber ``vals`` (the C path may
+    have updated ``out`` in part by then)."""
+    _check_1d(out=out, bits=bits, vals=vals)
+    lib = _lib_if_enabled()
+    if lib is not None and _f32(out, vals) and _cpu_contig(bits, torch.uint8):
+        c = lib.cx_bitmap_add(out.data_ptr(), out.numel(), bits.data_ptr(), bits.numel(), vals.data_ptr(),
+                              vals.numel(), float(scale))
+        if c == -1:
+            raise ValueError(f"bitmap_add: a bit marks an element beyond the tensor's {out.numel()}")
+        if c == -2:
+            raise ValueError(f"bitmap_add: the bitmap marks more elements than its {vals.numel()} values")
+        return c
+    marks = bitmap.unpack_bits(bits)
+    if bool(marks[out.numel():].any()):
+        raise ValueError(f"bitmap_add: a bit marks an element beyond the tensor's {out.numel()}")
+    pos = marks[:out.numel()].nonzero().reshape(-1)
+    if pos.numel() > vals.numel():
+        raise ValueError(f"bitmap_add: the bitmap marks more elements than its {vals.numel()} values")
+    out.index_add_(0, pos, vals[:pos.numel()].to(out.dtype), alpha=scale)
+    return pos.numel()
 
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: float = 1.0) -> None:

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import torch
 
+from .bitmap import pack_bits, unpack_bits
 from .cost_model import scatter_bitmap_bytes
 
 __all__ = ["bitmap_bytes", "lost", "pack_kept", "reduce_owned", "route", "stretch", "unpack_kept",
            "unpack_received"]
-
-_BITS = torch.arange(8, dtype=torch.uint8)
-
 
 def stretch(numel: int, world: int) -> int:
     """Positions in the longest owner's stretch: ``ceil(numel / world)`` (rank 0's)."""
@@ -52,16 +50,10 @@ def bitmap_bytes(numel: int, world: int) -> int:
     return scatter_bitmap_bytes(numel, world)
 
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """(..., 8 m) bool -> (..., m) uint8, bit j of byte i = mask[8 i + j]."""
-    bits = mask.reshape(*mask.shape[:-1], -1, 8).to(torch.uint8) << _BITS.to(mask.device)
-    return bits.sum(-1, dtype=torch.uint8)
-
-
 def _unpack_bits(data: torch.Tensor, count: int) -> torch.Tensor:
     """(m,) uint8 -> the positions of the set bits among the first ``count`` (int64, ascending); raises when a
     bit beyond ``count`` is set."""
-    bits = ((data.unsqueeze(-1) >> _BITS.to(data.device)) & 1).reshape(-1).bool()
+    bits = unpack_bits(data)
     if bool(bits[count:].any()):
         raise RuntimeError("sparse reduce-scatter: a bitmap marks positions beyond its stretch (ranks disagree on "
                            "the tensor's shape or on how it travels)")
@@ -87,7 +79,7 @@ def route(idx: torch.Tensor, val: torch.Tensor, world: int, numel: int,
     order = torch.argsort(key)
     mask = torch.zeros(world * width, dtype=torch.bool, device=idx.device)
     mask[key] = True
-    maps = _pack_bits(mask.view(world, width))
+    maps = pack_bits(mask.view(world, width))
     vals = _f32_bytes(val[order])
     parts, splits, off = [], [], 0
     for j, c in enumerate(counts.tolist()):  # one bitmap and one run of values per owner
@@ -161,7 +153,7 @@ def pack_kept(pos: torch.Tensor, sums: torch.Tensor, rank: int, world: int, nume
     mask[pos] = True
     vals = torch.zeros(keep, dtype=torch.float32, device=sums.device)
     vals[:n] = sums[torch.argsort(pos)]  # in position order, as the bitmap lists them
-    return torch.cat([_pack_bits(mask), _f32_bytes(vals)])
+    return torch.cat([pack_bits(mask), _f32_bytes(vals)])
 
 
 def unpack_kept(gathered: torch.Tensor, world: int, numel: int, keep: int,

@@ -56,6 +56,10 @@ class SparseCodec:
         # torch.distributed on Gloo): an overshoot of the selector returns to the residual, a shortfall
         # is padded with pairs that add nothing.
         self.fixed_gather = bool(fixed_gather)
+        # With exactly k values per rank, a selection dense enough (cost_model.gather_bitmap: about CF < 32) goes as
+        # a bitmap of the tensor and its values (a third fewer bytes at CF 10). False: always pairs (an A/B switch,
+        # like the Horovod objects' `grouped`; set it alike on every rank).
+        self.gather_bitmap = self.fixed_gather
         # A dense payload is the gradient itself, and its statistics go in `ctx.stats_apart` for the host to
         # reduce (hosts whose reduction of a small vector costs less than copying the gradient to append it).
         self.dense_stats_apart = bool(dense_stats_apart)
@@ -174,11 +178,14 @@ class SparseCodec:
         if self.fixed_gather:
             if rows > k:  # keep the k largest; the rest returns to the residual
                 sel = apply_mask(sel, _largest(sel.val, k), residual)
-            rows = k
+            ctx.bitmap = self.gather_bitmap and cost_model.gather_bitmap(k, numel)
+            rows = transport.gather_rows(k, numel, ctx.bitmap)
         packed = self._packed_buf(key, rows + transport.HEADER_ROWS, grad.device)
+        scratch = self.selector.buffers.get(key, "gather.bitmap", numel, torch.float32, grad.device) \
+            if ctx.bitmap else None
         payload, ctx.handle = transport.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
-                                                       tensor.shape)
-        ctx.kind = transport.GATHER
+                                                       tensor.shape, ctx.bitmap, scratch)
+        ctx.kind, ctx.k = transport.GATHER, k
         return payload, ctx, packed.numel() * 4 + stats.numel() * 4
 
     def decode(self, reduced: torch.Tensor, ctx: transport.SparseCtx, comm: Collectives,

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from . import kernels, scatter
+from . import cost_model, kernels, scatter
 from .collectives import AlltoallCollectives, Collectives
 from .selectors import Selection
 
 __all__ = ["AGREED", "DENSE", "SCATTER", "SHARED", "GATHER", "SparseCtx", "send_dense", "send_shared",
-           "send_agreed", "send_allgather", "send_scatter", "receive", "split_stats"]
+           "send_agreed", "send_allgather", "send_scatter", "receive", "split_stats", "gather_rows"]
 
 DENSE, SHARED, GATHER = "dense", "ar", "ag"
 AGREED = "agreed"  # values at the index set agreed the step before (agreed.py), proposals by allgather
@@ -53,6 +53,7 @@ class SparseCtx:
     stats_handle: Any = None  # the host's reduction of stats_apart in flight
     gather: Any = None  # SCATTER: the allgather of the owners' kept sums, once started
     step: int = 0  # AGREED, SCATTER: the step; AGREED: the fingerprint of the set this rank used
+    bitmap: bool = False  # GATHER: every rank sent a bitmap of the tensor and k values (else k pairs)
     hashes: tuple[int, int] = (0, 0)
 
 
@@ -82,7 +83,8 @@ def send_scatter(sel: Selection, stats: torch.Tensor, comm: AlltoallCollectives,
     return stats, comm.alltoall_async(data, splits, name), data.numel() * data.element_size()
 
 
-HEADER_ROWS = 2  # per rank, before its pairs: (count, numel), (shape hash, ndim)
+HEADER_ROWS = 2  # per rank, before its rows: (count, numel), (shape hash, ndim | format << 8)
+_FORMAT_SHIFT = 8  # the header's ndim field carries the wire format above the ndim (at most 64 in torch)
 
 
 def shape_hash(shape: Sequence[int]) -> int:
@@ -90,30 +92,48 @@ def shape_hash(shape: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(int(d) for d in shape)).encode()) & 0x7FFFFFFF
 
 
-def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name: str,
-                   packed: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, Any]:
-    """Rank-specific (index, value bits) pairs by allgather; the host reduces only the statistics.
+def gather_rows(k: int, numel: int, bitmap: bool) -> int:
+    """Rows of two int32 after the header of a rank's part of the allgather: k pairs, or the bitmap of the tensor
+    then the k values, two a row."""
+    return (cost_model.gather_bitmap_bytes(numel) // 8 + (k + 1) // 2) if bitmap else k
 
-    `packed` is a reusable int32 buffer of shape (HEADER_ROWS + rows, 2), rows >= the selection's count.
-    The header rows carry the row count and the tensor's numel and shape, so that `receive` can split
-    the ranks' segments and refuse ranks that submitted the same name with different shapes (Horovod's
-    own check only sees the statistics vector, which has the same shape everywhere). Rows beyond the
-    selection are padding, (index 0, value +0.0) pairs that add nothing when decoded (for hosts whose
-    allgather needs the same size on every rank).
+
+def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name: str,
+                   packed: torch.Tensor, shape: Sequence[int], bitmap: bool = False,
+                   scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    """Rank-specific (index, value bits) pairs, or a bitmap and values, by allgather; the host reduces only the
+    statistics.
+
+    `packed` is a reusable int32 buffer of shape (HEADER_ROWS + rows, 2). The header rows carry the row count,
+    the tensor's numel and shape and the wire format, so that `receive` can split the ranks' parts and refuse
+    ranks that submitted the same name with a different shape or format (Horovod's own check only sees the
+    statistics vector, which has the same shape everywhere).
+    * pairs: rows >= the selection's count; rows beyond it are padding, (index 0, value +0.0) pairs that add
+      nothing when decoded (for hosts whose allgather needs the same size on every rank);
+    * `bitmap`: a bit per element of the tensor (`cost_model.gather_bitmap_bytes`), then the values of the set
+      bits in index order, padded with +0.0 to the rows' end (the selection holds at most the rows' values);
+      `scratch`: a float32 buffer of the tensor's size for the packing (any content).
     """
     n = sel.idx.numel()
     rows = packed.shape[0] - HEADER_ROWS
-    packed[0, 0], packed[0, 1] = rows, math.prod(shape)
-    packed[1, 0], packed[1, 1] = shape_hash(shape), len(shape)
-    packed[HEADER_ROWS:HEADER_ROWS + n, 0] = sel.idx
-    packed[HEADER_ROWS:HEADER_ROWS + n, 1] = sel.val.view(torch.int32)
+    numel = math.prod(shape)
+    packed[0, 0], packed[0, 1] = rows, numel
+    packed[1, 0], packed[1, 1] = shape_hash(shape), len(shape) | (int(bitmap) << _FORMAT_SHIFT)
+    body = packed[HEADER_ROWS:]
+    if bitmap:
+        head = cost_model.gather_bitmap_bytes(numel) // 8
+        kernels.bitmap_pack(sel.idx, sel.val, numel, body[:head].view(torch.uint8).view(-1),
+                            body[head:].view(torch.float32).view(-1), scratch)
+        return stats, comm.allgather_async(packed, name)
+    body[:n, 0] = sel.idx
+    body[:n, 1] = sel.val.view(torch.int32)
     if rows > n:
-        packed[HEADER_ROWS + n:].zero_()
+        body[n:].zero_()
     return stats, comm.allgather_async(packed, name)
 
 
-def _gathered_pairs(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> torch.Tensor:
-    """Every rank's (index, value bits) pairs, headers removed, after checking the ranks' shapes."""
+def _gathered_parts(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> list[torch.Tensor]:
+    """Every rank's rows, headers removed, after checking the ranks' shapes and wire format."""
     heads = []
     off = 0
     for _ in range(world):  # one small header read per rank
@@ -121,16 +141,42 @@ def _gathered_pairs(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> torch
             raise RuntimeError(f"allgather of {ctx.key!r}: truncated payload (ranks disagree on the transport)")
         (count, numel), (h, ndim) = gathered[off:off + HEADER_ROWS].tolist()
         heads.append((off + HEADER_ROWS, count, numel, h, ndim))
-        off += HEADER_ROWS + count
+        off += HEADER_ROWS + max(0, count)
     own = (ctx.numel, shape_hash(ctx.shape), len(ctx.shape))
-    for r, (_, _, numel, h, ndim) in enumerate(heads):
-        if (numel, h, ndim) != own:
+    for r, (_, count, numel, h, ndim) in enumerate(heads):
+        if (numel, h, ndim & ((1 << _FORMAT_SHIFT) - 1)) != own:
             raise RuntimeError(f"Mismatched ALLREDUCE tensor shapes: {ctx.key!r} has shape {tuple(ctx.shape)} "
                                f"({ctx.numel} elements) here, but rank {r} of the process set sent {numel} "
-                               f"elements in {ndim} dimensions (crossover compression, allgather transport)")
+                               f"elements in {ndim & 0xFF} dimensions (crossover compression, allgather transport)")
+        if ndim >> _FORMAT_SHIFT != int(ctx.bitmap) or count < 0:
+            raise RuntimeError(f"allgather of {ctx.key!r}: rank {r} sent another wire format (bitmap or pairs) "
+                               "than this rank (ranks disagree on how the tensor travels)")
     if off != gathered.shape[0]:
         raise RuntimeError(f"allgather of {ctx.key!r}: {gathered.shape[0] - off} unexpected trailing rows")
-    return torch.cat([gathered[start:start + count] for start, count, *_ in heads])
+    return [gathered[start:start + count] for start, count, *_ in heads]
+
+
+def _gathered_pairs(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> torch.Tensor:
+    """Every rank's (index, value bits) pairs, headers removed, after checking the ranks' shapes."""
+    return torch.cat(_gathered_parts(gathered, ctx, world))
+
+
+def _receive_bitmaps(gathered: torch.Tensor, ctx: SparseCtx, world: int, out: torch.Tensor, weight: float) -> None:
+    """out = weight x the sum of every rank's bitmap part; raises where a part does not fit the tensor."""
+    parts = _gathered_parts(gathered, ctx, world)
+    rows = gather_rows(ctx.k, ctx.numel, True)
+    if any(p.shape[0] != rows for p in parts):
+        raise RuntimeError(f"allgather of {ctx.key!r}: parts of {[p.shape[0] for p in parts]} rows, expected {rows} "
+                           "(ranks disagree on the compression factor)")
+    head = cost_model.gather_bitmap_bytes(ctx.numel) // 8
+    out.zero_()
+    for r, part in enumerate(parts):  # rank by rank, in index order: each index adds up as the pairs' do
+        try:
+            kernels.bitmap_add(out, part[:head].contiguous().view(torch.uint8).view(-1),
+                               part[head:].contiguous().view(torch.float32).view(-1), weight)
+        except ValueError as e:
+            raise RuntimeError(f"allgather of {ctx.key!r}, rank {r}'s part: {e} (ranks disagree on the tensor or "
+                               "on how it travels)") from None
 
 
 def split_stats(reduced: torch.Tensor, nstats: int) -> torch.Tensor:
@@ -148,6 +194,9 @@ def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch
         return out
     world = comm.size()
     weight = float(split_stats(reduced, ctx.nstats)[0]) / world
+    if ctx.bitmap:
+        _receive_bitmaps(comm.wait(ctx.handle), ctx, world, out, weight)
+        return out
     gathered = _gathered_pairs(comm.wait(ctx.handle), ctx, world)
     idx = gathered[:, 0].contiguous()
     val = gathered[:, 1].contiguous().view(torch.float32)
