@@ -18,7 +18,8 @@ rotates every round, so that a slow phase of a shared machine falls on all of th
                    the statistics cost on GraVAC's dense steps)
   METHOD/VARIANT   a Horovod method with the transport of before issue 30: /pertensor (one allgather per
                    tensor, sizes that vary, Horovod's spinning wait), /fixed (one allgather per tensor of
-                   exactly k pairs), /spin (grouped, with Horovod's spinning wait); or /groups1 (Horovod's own
+                   exactly k pairs), /spin (grouped, with Horovod's spinning wait), /pairs (pairs where the
+                   allgather sends a bitmap and values, below CF 32); or /groups1 (Horovod's own
                    DistributedOptimizer(groups=1): one grouped allreduce at the end of backward)
   ddp-none         PyTorch DDP, no hook
   ddp-topk:CF      DDP with crossover's adaptive_hook, AdaptiveState(policy="static", cf=CF)
@@ -178,6 +179,8 @@ class Method:
             comp.codec.fixed_gather = self.variant == "fixed"
         if self.variant in ("pertensor", "spin"):  # Horovod's own (spinning) wait in step()
             comp.quiet_wait = False
+        if self.variant == "pairs":  # (index, value) pairs where the bitmap format would go (below CF 32)
+            comp.codec.gather_bitmap = False
         self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=lr),
                                             named_parameters=[(f"{self.name}.{n}", p)
                                                               for n, p in self.model.named_parameters()],

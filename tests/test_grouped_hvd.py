@@ -63,7 +63,9 @@ def _compression(kind: str):
     return QSGDCompression(bits=4, error_feedback=True, min_compress_numel=1000, transport="allgather")
 
 
-def _pair_job(kind: str, on_process_set: bool) -> dict:
+def _pair_job(kind: str, on_process_set: bool, switch: str = "grouped") -> dict:
+    """`switch`: what differs between the twins, "grouped" (one allgather per group or per tensor) or "bitmap"
+    (top-k's allgather as a bitmap and values, or as pairs; both grouped)."""
     import horovod.torch as hvd
 
     ps = hvd.add_process_set([0, 1]) if on_process_set else None
@@ -72,10 +74,13 @@ def _pair_job(kind: str, on_process_set: bool) -> dict:
         return {"excluded": True}
     kw = {} if ps is None else {"process_set": ps}
     runs = []
-    for grouped in (True, False):  # the same names: the shared seeds (QSGD's rounding) follow them
+    for on in (True, False):  # the same names: the shared seeds (QSGD's rounding) follow them
         model = _Net()
         comp = _compression(kind)
-        comp.grouped = grouped
+        if switch == "bitmap":
+            comp.codec.gather_bitmap = on
+        else:
+            comp.grouped = on
         if on_process_set:  # caps of 24 kB of dense gradient: "b" alone, then "a"; else both in one group
             comp.comm.first_bytes = comp.comm.group_bytes = 4 * 6000
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -114,6 +119,7 @@ def _pair_job(kind: str, on_process_set: bool) -> dict:
     out["residual_keys"] = sorted(r0)
     out["groups"] = [len(g.members) for g in c0.comm._groups]
     out["world"] = c0.comm.size()
+    out["sent"] = [c0.stats()["bytes_sent"], c1.stats()["bytes_sent"]]
     hvd.allreduce(torch.zeros(1), name="grouped.done", **kw)
     if ps is not None:
         hvd.remove_process_set(ps)
@@ -156,6 +162,7 @@ def grouped_job() -> dict:
     out = {f"{kind}-{'ps' if ps else 'global'}": _pair_job(kind, ps)
            for kind in ("topk", "qsgd") for ps in (False, True)}
     out["dense"] = _dense_measured()
+    out["bitmap-global"] = _pair_job("topk", False, "bitmap")
     return out
 
 
@@ -192,6 +199,18 @@ def test_nonfinite_step_decodes_nan_everywhere_in_both_transports(results, case)
         assert c["nan_at"][POISON_STEP] == ["b.weight"], c["nan_at"]
         assert all(not n for i, n in enumerate(c["nan_at"]) if i != POISON_STEP), c["nan_at"]
     assert all(c["nan_at"] == members[0]["nan_at"] for c in members)
+
+
+def test_bitmaps_give_the_pairs_averages_bit_for_bit_in_fewer_bytes(results):
+    """CF 10: the allgather carries a bitmap of each tensor and its values (cost_model.gather_bitmap); the twin
+    sends pairs. The same averaged gradients, residuals and NaN step on 3 ranks whose gradients differ."""
+    members = _members(results, "bitmap-global")
+    assert len(members) == 3
+    for c in members:
+        assert all(c["equal_grads"]) and all(c["close_grads"]) and c["equal_params"] and c["equal_residuals"]
+        assert c["nan_at"][POISON_STEP] == ["b.weight"]
+        bitmap, pairs = c["sent"]
+        assert bitmap < 0.8 * pairs, c["sent"]
 
 
 def test_dense_measured_steps_average_like_stock(results):
