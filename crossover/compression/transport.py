@@ -85,6 +85,7 @@ def send_scatter(sel: Selection, stats: torch.Tensor, comm: AlltoallCollectives,
 
 HEADER_ROWS = 2  # per rank, before its rows: (count, numel), (shape hash, ndim | format << 8)
 _FORMAT_SHIFT = 8  # the header's ndim field carries the wire format above the ndim (at most 64 in torch)
+_NDIM_MASK = (1 << _FORMAT_SHIFT) - 1
 
 
 def shape_hash(shape: Sequence[int]) -> int:
@@ -144,10 +145,11 @@ def _gathered_parts(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> list[
         off += HEADER_ROWS + max(0, count)
     own = (ctx.numel, shape_hash(ctx.shape), len(ctx.shape))
     for r, (_, count, numel, h, ndim) in enumerate(heads):
-        if (numel, h, ndim & ((1 << _FORMAT_SHIFT) - 1)) != own:
+        if (numel, h, ndim & _NDIM_MASK) != own:
             raise RuntimeError(f"Mismatched ALLREDUCE tensor shapes: {ctx.key!r} has shape {tuple(ctx.shape)} "
                                f"({ctx.numel} elements) here, but rank {r} of the process set sent {numel} "
-                               f"elements in {ndim & 0xFF} dimensions (crossover compression, allgather transport)")
+                               f"elements in {ndim & _NDIM_MASK} dimensions (crossover compression, allgather "
+                               "transport)")
         if ndim >> _FORMAT_SHIFT != int(ctx.bitmap) or count < 0:
             raise RuntimeError(f"allgather of {ctx.key!r}: rank {r} sent another wire format (bitmap or pairs) "
                                "than this rank (ranks disagree on how the tensor travels)")
