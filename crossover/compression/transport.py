@@ -93,10 +93,15 @@ def shape_hash(shape: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(int(d) for d in shape)).encode()) & 0x7FFFFFFF
 
 
+def _bitmap_rows(numel: int) -> int:
+    """Rows of two int32 that a tensor's bitmap fills at the start of a rank's part (the values follow)."""
+    return cost_model.gather_bitmap_bytes(numel) // 8
+
+
 def gather_rows(k: int, numel: int, bitmap: bool) -> int:
     """Rows of two int32 after the header of a rank's part of the allgather: k pairs, or the bitmap of the tensor
     then the k values, two a row."""
-    return (cost_model.gather_bitmap_bytes(numel) // 8 + (k + 1) // 2) if bitmap else k
+    return _bitmap_rows(numel) + (k + 1) // 2 if bitmap else k
 
 
 def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name: str,
@@ -122,7 +127,7 @@ def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name:
     packed[1, 0], packed[1, 1] = shape_hash(shape), len(shape) | (int(bitmap) << _FORMAT_SHIFT)
     body = packed[HEADER_ROWS:]
     if bitmap:
-        head = cost_model.gather_bitmap_bytes(numel) // 8
+        head = _bitmap_rows(numel)
         kernels.bitmap_pack(sel.idx, sel.val, numel, body[:head].view(torch.uint8).view(-1),
                             body[head:].view(torch.float32).view(-1), scratch)
         return stats, comm.allgather_async(packed, name)
@@ -150,7 +155,9 @@ def _gathered_parts(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> list[
                                f"({ctx.numel} elements) here, but rank {r} of the process set sent {numel} "
                                f"elements in {ndim & _NDIM_MASK} dimensions (crossover compression, allgather "
                                "transport)")
-        if ndim >> _FORMAT_SHIFT != int(ctx.bitmap) or count < 0:
+        if count < 0:
+            raise RuntimeError(f"allgather of {ctx.key!r}: rank {r}'s header gives {count} rows (a garbled payload)")
+        if ndim >> _FORMAT_SHIFT != int(ctx.bitmap):
             raise RuntimeError(f"allgather of {ctx.key!r}: rank {r} sent another wire format (bitmap or pairs) "
                                "than this rank (ranks disagree on how the tensor travels)")
     if off != gathered.shape[0]:
@@ -170,7 +177,7 @@ def _receive_bitmaps(gathered: torch.Tensor, ctx: SparseCtx, world: int, out: to
     if any(p.shape[0] != rows for p in parts):
         raise RuntimeError(f"allgather of {ctx.key!r}: parts of {[p.shape[0] for p in parts]} rows, expected {rows} "
                            "(ranks disagree on the compression factor)")
-    head = cost_model.gather_bitmap_bytes(ctx.numel) // 8
+    head = _bitmap_rows(ctx.numel)
     out.zero_()
     for r, part in enumerate(parts):  # rank by rank, in index order: each index adds up as the pairs' do
         try:
