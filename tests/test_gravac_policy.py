@@ -975,6 +975,19 @@ def test_momentum_caps_the_ladder_at_cf_max_times_one_minus_m() -> None:
     assert _drive_with_momentum(big, 200, lambda t: 0.9)[-1] == 100.0  # 1000 x 0.1
 
 
+@pytest.mark.parametrize(("dense", "dense_steps"), [(0.133, 3), (0.082, 5)])
+def test_under_the_cap_a_dense_trial_3x_slower_than_cf_10_ends_after_two_timed_steps(dense: float,
+                                                                                      dense_steps: int) -> None:
+    # The recipe matrix's AdamW MLP at 300 Mbit/s: CF 10 steps in 41 ms, dense in 133 ms (3.2x). Capped at CF 10,
+    # the first search times CF 10 then dense; two timed dense steps (after the switch step) already lose by more
+    # than SHORT_TRIAL_MARGIN x omega's allowance. Dense 2x slower is timed for the whole window.
+    policy = GravacPolicy()
+    policy.expect_momentum()  # as every step driver does
+    sent = _drive_with_momentum(policy, 60, lambda t: 0.9, time=lambda cf: {1.0: dense, 10.0: 0.041}[cf])
+    assert _runs(sent)[:3] == [(10.0, 7), (1.0, dense_steps), (10.0, 60 - 7 - dense_steps)]  # no lag here
+    assert policy.settled and policy.send_cf == 10.0
+
+
 def test_momentum_reported_mid_run_moves_a_settled_cf_under_the_cap_and_back() -> None:
     policy = GravacPolicy()
     sent = _drive_with_momentum(policy, 150, lambda t: 0.9 if 100 <= t < 200 else 0.0)

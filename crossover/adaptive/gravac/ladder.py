@@ -31,6 +31,7 @@ from crossover.adaptive.gravac.tunables import (
     DRIFT_MIN_STEPS,
     FALSE_ALARM_GROWTH,
     FIRST_TRIAL_SKIP,
+    SHORT_TRIAL_MARGIN,
     SKIP_MARGIN,
     SWITCH_SKIP,
     TIE_BAND,
@@ -227,8 +228,8 @@ class LadderSearch:
             # A drift check downward must find a CF at least as fast as the settled one is now (best_rate
             # is that throughput x (1 + omega)): two steps slower by more than omega end it.
             return rate * (1.0 + self._omega) ** 2 < s.best_rate
-        # two steps suffice when it is more than twice that far behind (dense on a slow link)
-        margin = SKIP_MARGIN * (1.0 if len(times) >= AUTO_WINDOW_MIN else 2.0)
+        # two steps suffice when it is further behind still (dense on a slow link)
+        margin = SKIP_MARGIN if len(times) >= AUTO_WINDOW_MIN else SHORT_TRIAL_MARGIN
         return rate * margin * (1.0 + self._omega) < s.best_rate
 
     def _drift_search(self, med: float, slower: bool) -> None:

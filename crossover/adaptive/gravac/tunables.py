@@ -44,6 +44,9 @@ PAUSE_FACTOR = 2.0
 WALK_UP_STEPS = 12
 #: A lower CF is skipped when predicted this many times beyond omega's allowance (slow rungs are costly).
 SKIP_MARGIN = 2.0
+#: ... a trial is ended after two timed steps already when this far behind (2.75x at omega 0.1): dense on a slow
+#: link is 3x to 4x a CF-10 step, and two steps that slow after the switch step are no accident.
+SHORT_TRIAL_MARGIN = 2.5
 #: ... dense only beyond this: the 1 / CF extrapolation overrates dense's time (no compression cost).
 DENSE_MARGIN = 4.0
 
