@@ -217,8 +217,9 @@ class LadderSearch:
     def _losing(self, tr: Trial) -> bool:
         """True when the CF on trial is already far behind the best of the search: its median step time
         over the shortest window gives a system throughput short of the best compression throughput by
-        more than ``SKIP_MARGIN`` times omega's allowance (its gain could only lower it further). A
-        wrong rung then costs a few steps, not a whole window (a dense window on a slow link is long)."""
+        more than ``SKIP_MARGIN`` times omega's allowance (its gain could only lower it further), or over
+        its first two or three timed steps by more than ``SHORT_TRIAL_MARGIN`` times. A wrong rung then
+        costs a few steps, not a whole window (a dense window on a slow link is long)."""
         s = self.s
         times = self._timed(tr)
         if s.best is None or s.tie is not None or len(times) < 2:
