@@ -636,6 +636,23 @@ def test_a_drift_check_walks_down_only_to_a_cf_that_is_faster() -> None:
     assert policy.send_cf == 100.0 and cfs[-100:] == [100.0] * 100
 
 
+def test_a_drift_check_predicts_dense_from_the_settled_cf_s_time_now_not_from_its_old_trial() -> None:
+    # Seed 3 of the 100 Mbit/s MLP (results/bench-i33): CF 100 settled on a first-search window of warm-up
+    # steps (9.5 ms); later its steps took 6.8 ms, a drift check timed CF 10 at 11.2 ms, and dense, predicted
+    # from the stale 9.5 ms at only 4x CF 100's time, was timed: 4 steps of 100 ms. From CF 100's 6.8 ms of
+    # now the prediction is 8x: dense is skipped. (CF 100 kept 0.75 of the gradient there, CF 10 all of it.)
+    def time(cf: float, t: int) -> float:
+        if t < 40:
+            return {100.0: 0.0095, 10.0: 0.015, 1.0: 0.1}[cf]
+        return {100.0: 0.0068, 10.0: 0.0112, 1.0: 0.1}[cf]
+
+    policy = GravacPolicy()
+    plans = drive_ladder(policy, 300, gain=lambda cf, t: 0.75 if cf == 100.0 else 1.0, time=time)
+    cfs = sent(plans)
+    assert 10.0 in cfs[40:]  # the drift was seen and CF 10 timed
+    assert 1.0 not in cfs and policy.send_cf == 100.0
+
+
 def test_a_far_slower_dense_trial_ends_after_two_steps_and_waits_to_be_tried_again() -> None:
     # CF 1000 is slower than CF 100 here (its selection costs more than it saves), so the top of the
     # ladder says nothing about the link and dense is timed; it is 25x slower: two observations decide.
