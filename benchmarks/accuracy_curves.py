@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -102,7 +103,7 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
 
     switches = {name: sw for name in methods if (sw := _switch(name, total)) is not None}
     step = 0
-    highest_sent = 1.0  # the highest CF the defaults sent on any step (the cap must hold from the first)
+    sent: list[float] = []  # the CF the defaults sent on each step
     for _ in range(epochs):
         order = torch.randperm(len(xtr), generator=gen)
         for b in range(per_epoch):
@@ -112,7 +113,7 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
                 torch.nn.functional.cross_entropy(models[name](xtr[idx]), ytr[idx]).backward()
                 opts[name].step()
                 if name == "gravac":
-                    highest_sent = max(highest_sent, float(comps[name].driver.current.sent_cf))
+                    sent.append(float(comps[name].driver.current.sent_cf))
             step += 1
             for name, (at, cf) in switches.items():
                 if step == at:  # the same step on every rank: the next plan sends the new CF
@@ -127,7 +128,8 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
         st = comps["gravac"].stats()
         out["gravac"]["max_cf"] = st.get("policy/max_cf")
         out["gravac"]["last_cf"] = st.get("compression_factor")
-        out["gravac"]["highest_sent_cf"] = highest_sent
+        # the cap holds from the first step but for the first search's one window above it (for predictions)
+        out["gravac"]["steps_above_cap"] = [i for i, cf in enumerate(sent) if cf > st.get("policy/max_cf", math.inf)]
     return out
 
 

@@ -1016,9 +1016,13 @@ def test_under_the_cap_one_window_above_it_predicts_dense_so_dense_is_not_timed(
     times = {100.0: 0.020, 10.0: 0.034, 1.0: 0.143} if cnn else {100.0: 0.013, 10.0: 0.035, 1.0: 0.129}
     policy = GravacPolicy()
     policy.expect_momentum()
-    sent = _drive_with_momentum(policy, 300, lambda t: 0.9, time=lambda cf: times[cf])
+    sent = _drive_with_momentum(policy, 3, lambda t: 0.9, time=lambda cf: times[cf])
+    saved = json.loads(json.dumps(policy.state_dict(), allow_nan=False))  # in the window above the cap
+    restored = GravacPolicy.from_state_dict(saved)
+    sent += _drive_with_momentum(policy, 297, lambda t: 0.9, time=lambda cf: times[cf], start=3)
     assert _runs(sent)[:2] == [(100.0, 7), (10.0, 293)]
     assert policy.settled and policy.send_cf == 10.0 and policy.summary()["max_cf"] == 10.0
+    assert _drive_with_momentum(restored, 297, lambda t: 0.9, time=lambda cf: times[cf], start=3) == sent[3:]
 
 
 def test_momentum_reported_mid_run_moves_a_settled_cf_under_the_cap_and_back() -> None:
@@ -1046,6 +1050,25 @@ def test_a_capped_state_saves_and_resumes_and_the_paper_search_ignores_momentum(
     paper = GravacPolicy(**PAPER)
     assert _drive_with_momentum(paper, 60, lambda t: 0.9) == _drive_with_momentum(GravacPolicy(**PAPER), 60,
                                                                                   lambda t: 0.0)
+
+
+def test_under_the_cap_faster_steps_do_not_time_dense_while_it_is_predicted_far_behind() -> None:
+    # Seed 1 of the momentum recipe at 300 Mbit/s (results/s18-try): settled at CF 10 (42 ms), the steps got 23 %
+    # faster (33 ms) and the drift check timed dense: 4 steps of 135 ms. CF 10 now and the window above the cap
+    # still put dense 6x behind: the new step time becomes the reference, no dense step is sent.
+    def time(cf: float, t: int) -> float:
+        return {100.0: 0.013, 10.0: 0.042 if t < 120 else 0.033, 1.0: 0.135}[cf]
+
+    policy = GravacPolicy()
+    policy.expect_momentum()
+    sent: list[float] = []
+    for t in range(400):
+        plan = policy.plan()
+        sent.append(plan.send_cf)
+        policy.observe(StepStats(sent_cf=plan.send_cf, dense_sq_norm=4.0,
+                                 compressed_sq_norms={cf: 4.0 for cf in plan.probe_cfs},
+                                 step_time_s=time(plan.send_cf, t), samples=64, grad_sq_norm=4.0, momentum=0.9))
+    assert 1.0 not in sent and set(sent[7:]) == {10.0}
 
 
 def test_expect_momentum_caps_the_search_until_the_statistics_arrive() -> None:

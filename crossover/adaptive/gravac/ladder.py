@@ -258,7 +258,13 @@ class LadderSearch:
         self._retime(cf, med, rate)
         s.drift_from = cf
         nxt = i + 1 if slower else i - 1
-        if 0 <= nxt <= s.top:
+        if not slower and nxt >= 0 and self._hopeless(nxt):
+            # Faster steps, but the CF below is still predicted far behind (under a cap at CF 10: dense, from CF 10
+            # now and the rung above): no trial, the new step time is the reference.
+            log.info("step %d: CF %g's step time moved from %.1f to %.1f ms; CF %g is still far behind", self.step,
+                     cf, 1e3 * s.ref_time, 1e3 * med, self.rungs[nxt])
+            self._settle(cf, med)  # as a false alarm: the wait before the next check grows
+        elif 0 <= nxt <= s.top:
             if slower:
                 s.retry_rung = None  # the walk up tries the CFs above anyway
             self._start_search(nxt, +1 if slower else -1, best=cf,
