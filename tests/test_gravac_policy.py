@@ -1056,18 +1056,11 @@ def test_under_the_cap_faster_steps_do_not_time_dense_while_it_is_predicted_far_
     # Seed 1 of the momentum recipe at 300 Mbit/s (results/s18-try): settled at CF 10 (42 ms), the steps got 23 %
     # faster (33 ms) and the drift check timed dense: 4 steps of 135 ms. CF 10 now and the window above the cap
     # still put dense 6x behind: the new step time becomes the reference, no dense step is sent.
-    def time(cf: float, t: int) -> float:
-        return {100.0: 0.013, 10.0: 0.042 if t < 120 else 0.033, 1.0: 0.135}[cf]
-
+    before, after = {100.0: 0.013, 10.0: 0.042, 1.0: 0.135}, {100.0: 0.013, 10.0: 0.033, 1.0: 0.135}
     policy = GravacPolicy()
     policy.expect_momentum()
-    sent: list[float] = []
-    for t in range(400):
-        plan = policy.plan()
-        sent.append(plan.send_cf)
-        policy.observe(StepStats(sent_cf=plan.send_cf, dense_sq_norm=4.0,
-                                 compressed_sq_norms={cf: 4.0 for cf in plan.probe_cfs},
-                                 step_time_s=time(plan.send_cf, t), samples=64, grad_sq_norm=4.0, momentum=0.9))
+    sent = _drive_with_momentum(policy, 120, lambda t: 0.9, time=lambda cf: before[cf])
+    sent += _drive_with_momentum(policy, 280, lambda t: 0.9, time=lambda cf: after[cf], start=120)
     assert 1.0 not in sent and set(sent[7:]) == {10.0}
 
 

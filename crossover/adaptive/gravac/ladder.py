@@ -143,10 +143,10 @@ class LadderSearch:
 
     def _probe_above_cap(self, rung: int) -> None:
         """Under a momentum cap, time the rung above it first, for predictions only (never chosen): with a single
-        compressed rung nothing predicts dense, and its trial costs 4 dense steps (0.4 s of a 4.6 s time to
-        target on the momentum recipe at 300 Mbit/s); one window of the next rung up is cheaper on a slow link,
-        and it absorbs the process's warm-up steps. A few steps above the cap at the start cost no accuracy: the
-        residual they leave is delivered at the capped CF within a few steps."""
+        compressed rung nothing predicts dense, whose trial is the dearest on a slow link; one window of the next
+        rung up is cheaper there, and it absorbs the process's warm-up steps. The residual those steps leave is
+        delivered at the capped CF within a few steps (measured in docs/accuracy.md: no accuracy cost that 9 seeds
+        of the MNIST CNN could show)."""
         log.info("step %d: timing CF %g above the cap first, for predictions only", self.step, self.rungs[rung])
         self._try(self.rungs[rung])
 
@@ -458,8 +458,8 @@ class LadderSearch:
 
     def _retime(self, cf: float, st: float, rate: float) -> None:
         """The settled CF's timing is now its recent median ``st``: a search that starts from it predicts the
-        CFs below from this, not from the trial that chose it long ago (warm-up steps, another load). Seen at
-        100 Mbit/s: a stale CF 100 of 9.5 ms against 6.8 ms now made dense look 4x, not 8x, slower: timed."""
+        CFs below from this, not from the trial that chose it long ago (warm-up steps, another load; the run that
+        showed it: docs/gravac.md, "Re-open on drift")."""
         r = self.s.rates.get(cf)
         if r is not None:
             r.step_time, r.rate, r.judged_at = st, rate, float(self.step)
