@@ -72,15 +72,21 @@ def final_value(evals: Sequence[dict[str, Any]], metric: str,
     return statistics.fmean(vals), len(vals)
 
 
-def time_to(evals: Sequence[dict[str, Any]], metric: str, target: float | None) -> float | None:
-    """Training seconds at the first evaluation whose ``metric`` reaches ``target`` (None if never)."""
+def first_reach(evals: Sequence[dict[str, Any]], metric: str, target: float | None) -> dict[str, Any] | None:
+    """The first evaluation whose ``metric`` reaches ``target`` (None if never)."""
     if target is None:
         return None
     for e in evals:
         v = e.get(metric)
         if v is not None and better(metric, float(v), float(target)):
-            return float(e["train_s"])
+            return e
     return None
+
+
+def time_to(evals: Sequence[dict[str, Any]], metric: str, target: float | None) -> float | None:
+    """Training seconds at the first evaluation whose ``metric`` reaches ``target`` (None if never)."""
+    e = first_reach(evals, metric, target)
+    return None if e is None else float(e["train_s"])
 
 
 def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -339,8 +345,9 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
         target = dense_target(metric, dense_final, tolerance)
         seed_final = {sd: _median(v) for sd, v in by_seed.items()}
         own = {id(r): seed_final.get(_seed(r), dense_final) for r in members}  # each run's dense final
-        tta = {m: [time_to(r["epochs"], metric, dense_target(metric, own[id(r)], tolerance)) for r in rs]
-               for m, rs in by_method.items()}
+        hits = {m: [first_reach(r["epochs"], metric, dense_target(metric, own[id(r)], tolerance)) for r in rs]
+                for m, rs in by_method.items()}
+        tta = {m: [None if e is None else float(e["train_s"]) for e in es] for m, es in hits.items()}
 
         t_dense, t_fp16 = _all_reached(tta.get("none")), _all_reached(tta.get("fp16"))
         statics = {m: _all_reached(tta[m]) for m in by_method if m.startswith(STATIC_PREFIXES)}
@@ -380,6 +387,8 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
                 "oracle_static": oracle, "oracle_time_s": t_oracle,
                 "time_vs_oracle": (t / t_oracle) if t and t_oracle else None,
                 "cf_final": ss[-1].get("cf_final"), "bits_mean": ss[-1].get("bits_mean"),
+                "oracle_parts": (oracle_parts(rs, hits[m], by_method[oracle], hits[oracle])
+                                 if m == judge and oracle and oracle != m else []),
             })
     lines = []
     all_targets: list[dict[str, Any]] = []
@@ -432,6 +441,9 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
             kept = kept_accuracy_oracle(grp, judge)
             if kept is not None:
                 lines += [kept, ""]
+            parts = oracle_parts_text(judged, grp[0]["oracle_static"])
+            if parts is not None:
+                lines += [parts, ""]
     table = "\n".join(lines)
     files = [out / "compare.md", out / "compare.json"]
     files[0].write_text(table + "\n")
@@ -555,6 +567,44 @@ def kept_accuracy_oracle(rows: Sequence[dict[str, Any]], method: str = "gravac")
     mine = f"{t / tb:.2f}x ({t:.1f} s against {tb:.1f} s)" if t is not None and tb else "not reached in every run"
     return text + f"the fastest that kept it: {best}; {'AdaptiveCompression()' if method == 'gravac' else method} " \
                   f"took {mine}."
+
+
+def oracle_parts(runs: Sequence[dict[str, Any]], hits: Sequence[dict[str, Any] | None],
+                 oracle_runs: Sequence[dict[str, Any]], oracle_hits: Sequence[dict[str, Any] | None]
+                 ) -> list[dict[str, Any]]:
+    """Each run's time to target against the oracle static's on the same seed, split in two factors:
+    time / oracle time = (steps to target / oracle's) x (seconds per step until then / oracle's). The first is the
+    path (which evaluation first reaches the target), the second the speed (the search's cost included). Runs
+    without a reach, or whose seed has no oracle run that reached it, are left out; several oracle runs on one
+    seed count by their medians."""
+    by_seed: dict[int, list[tuple[int, float]]] = {}
+    for r, e in zip(oracle_runs, oracle_hits):
+        if e is not None and int(e["step"]) > 0:
+            by_seed.setdefault(_seed(r), []).append((int(e["step"]), float(e["train_s"])))
+    parts = []
+    for r, e in zip(runs, hits):
+        o = by_seed.get(_seed(r))
+        if e is None or not o or int(e["step"]) <= 0:
+            continue
+        o_steps, o_time = _median([x[0] for x in o]), _median([x[1] for x in o])
+        steps, time = int(e["step"]), float(e["train_s"])
+        parts.append({"seed": _seed(r), "steps": steps, "oracle_steps": o_steps, "time_s": time,
+                      "oracle_time_s": o_time, "path": steps / o_steps,
+                      "speed": (time / steps) / (o_time / o_steps)})
+    return parts
+
+
+def oracle_parts_text(row: dict[str, Any], oracle: str | None) -> str | None:
+    """One line under target (b): what its ratio is made of (:func:`oracle_parts`), per seed and in the median."""
+    parts = row.get("oracle_parts") or []
+    if not parts or not oracle:
+        return None
+    steps = ", ".join(f"{p['steps']} vs {p['oracle_steps']:g}" for p in parts)
+    speed = ", ".join(f"{p['speed']:.2f}x" for p in parts)
+    return (f"What the time / oracle ratio is made of, per seed against {oracle} on the same seed: steps to the "
+            f"target {steps} (the path: median {_median([p['path'] for p in parts]):.2f}x); training seconds per "
+            f"step until then {speed} (the speed, search included: median "
+            f"{_median([p['speed'] for p in parts]):.2f}x).")
 
 
 def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], list[dict[str, Any]]],

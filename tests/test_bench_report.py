@@ -176,3 +176,28 @@ def test_context_names_the_fastest_static_choice_that_kept_accuracy() -> None:
     rows[1]["final_metric"] = 0.96  # now no fast static keeps accuracy; dense still does
     assert "the fastest that kept it: none;" in report.kept_accuracy_oracle(rows)
     assert report.kept_accuracy_oracle(rows[:3]) is None  # no gravac row
+
+
+def test_the_oracle_ratio_splits_into_the_path_and_the_speed(tmp_path: Path) -> None:
+    # time / oracle = (steps to target / oracle's) x (seconds per step until then / oracle's), per seed against the
+    # oracle (top-k 100) on the same seed. Seed 0: the oracle's path at 1.2x its step time; seed 1: its step time,
+    # but the target first reached one evaluation later (step 100, not 90); seed 2: the oracle's twin
+    paths = []
+    for seed, end in DENSE.items():
+        paths.append(fake(tmp_path, f"none@{seed + 1}", seed, 1.0, curve(end)))
+        paths.append(fake(tmp_path, f"topk:100@{seed + 1}", seed, 0.3, curve(end), sent=40))
+    paths.append(fake(tmp_path, "gravac@1", 0, 0.36, curve(DENSE[0]), sent=40))
+    paths.append(fake(tmp_path, "gravac@2", 1, 0.3, curve((0.94, 0.97)), sent=40))
+    paths.append(fake(tmp_path, "gravac@3", 2, 0.3, curve(DENSE[2]), sent=40))
+    rows = {r["method"]: r for r in report.compare(paths, tmp_path / "cmp")["rows"]}
+    parts = rows["gravac"]["oracle_parts"]
+    assert [(p["seed"], p["steps"], p["oracle_steps"]) for p in parts] == [(0, 90, 90), (1, 100, 90), (2, 90, 90)]
+    assert [p["path"] for p in parts] == pytest.approx([1.0, 100 / 90, 1.0])
+    assert [p["speed"] for p in parts] == pytest.approx([1.2, 1.0, 1.0])
+    for p in parts:
+        assert p["time_s"] / p["oracle_time_s"] == pytest.approx(p["path"] * p["speed"])
+    assert rows["none"]["oracle_parts"] == [] and rows["topk:100"]["oracle_parts"] == []
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert ("per seed against topk:100 on the same seed: steps to the target 90 vs 90, 100 vs 90, 90 vs 90 (the "
+            "path: median 1.00x); training seconds per step until then 1.20x, 1.00x, 1.00x (the speed, search "
+            "included: median 1.00x).") in md
