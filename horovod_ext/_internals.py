@@ -18,7 +18,8 @@ What is touched (Horovod 0.28.1):
   optimizer's handles are waited for by polling before Horovod's own synchronize runs);
 * horovod.torch.mpi_ops `synchronize`/`poll`/`_handle_map` and `_DistributedOptimizer.__init__` /
   `.synchronize` (crossover scheduler: horovod_ext/scheduling.py), horovod.tensorflow.keras
-  `DistributedOptimizer` (Keras 3 guard: horovod_ext/keras_guard.py): those modules call
+  `DistributedOptimizer` (Keras 3 guard, and the optimizer shown to our compression object:
+  horovod_ext/keras_guard.py): those modules call
   `check_version(feature)` before they patch.
 """
 

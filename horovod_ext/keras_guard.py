@@ -1,15 +1,18 @@
-"""Make horovod.tensorflow.keras.DistributedOptimizer refuse Keras 3 optimizers (it would not synchronize).
+"""Wrap horovod.tensorflow.keras.DistributedOptimizer: refuse Keras 3 optimizers, show ours the optimizer.
 
 `horovod.tensorflow.keras.DistributedOptimizer` only synchronizes tf-keras (Keras 2) optimizers. With
 TensorFlow >= 2.16, `tf.keras` is Keras 3 unless `TF_USE_LEGACY_KERAS=1` is set (with the `tf-keras`
 package installed), and Horovod's wrapper then silently skips the allreduce. `install_keras_guard()`
 wraps Horovod's function (a patch of Horovod: checked against its version in horovod_ext/_internals.py);
-`check_keras_optimizer(opt)` does the same check on its own. Nothing here imports torch.
+`check_keras_optimizer(opt)` does the same check on its own. The wrapper also hands the optimizer to a
+`compression=` object of ours (its `_optimizer_seen`), which reads the optimizer's momentum as the torch
+objects do at every step: the ladder's cap (docs/accuracy.md). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 from typing import Any
@@ -55,6 +58,17 @@ def check_keras_optimizer(optimizer: Any) -> None:
         raise KerasVersionError(KERAS3_MESSAGE.format(cls=f"{type(optimizer).__module__}.{type(optimizer).__name__}"))
 
 
+def _show_optimizer(original: Any, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Hand `optimizer` to the `compression=` of a DistributedOptimizer call when it is one of ours."""
+    try:
+        bound = inspect.signature(original).bind_partial(optimizer, *args, **kwargs)
+    except (TypeError, ValueError):  # Horovod will say what is wrong with the call
+        return
+    seen = getattr(bound.arguments.get("compression"), "_optimizer_seen", None)
+    if callable(seen):
+        seen(optimizer)
+
+
 def install_keras_guard() -> bool:
     """Make horovod.tensorflow.keras.DistributedOptimizer (and horovod.keras's) refuse Keras 3 optimizers.
 
@@ -78,6 +92,7 @@ def install_keras_guard() -> bool:
         @functools.wraps(original)
         def guarded(optimizer: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
             check_keras_optimizer(optimizer)
+            _show_optimizer(_original, optimizer, args, kwargs)
             return _original(optimizer, *args, **kwargs)
 
         guarded._crossover_guard = True  # type: ignore[attr-defined]

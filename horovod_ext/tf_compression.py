@@ -31,7 +31,14 @@ import tensorflow as tf
 
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression.wire import SparseStatsLayout, shared_seed
-from crossover.driver import CfPolicy, SparseStepDriver, check_momentum, gravac_or_dense, reported_momentum
+from crossover.driver import (
+    CfPolicy,
+    SparseStepDriver,
+    check_momentum,
+    gravac_or_dense,
+    keras_optimizer_momentum,
+    reported_momentum,
+)
 from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name, tracing_function
@@ -101,8 +108,10 @@ class _SparseCompression(TFHookBase):
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
                  seed: int, log_csv: str | None, passthrough: bool = False, tensorboard: Any = None,
                  momentum: float | None = None) -> None:
-        # the optimizer's momentum, in the statistics: the policy caps the CF by it (a tape does not see the optimizer)
-        self.momentum = reported_momentum(check_momentum(momentum))  # unset: UNKNOWN_MOMENTUM (0.9), the safe side
+        # the optimizer's momentum, in the statistics: the policy caps the CF by it. A tape does not see the optimizer:
+        # unset, UNKNOWN_MOMENTUM (0.9), the safe side, until Horovod's Keras DistributedOptimizer shows it one
+        self._momentum_setting = check_momentum(momentum)
+        self.momentum = reported_momentum(self._momentum_setting)
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)} with horovod.tensorflow "
                              f"(dgc and redsync have torch kernels only); got {compressor!r}")
@@ -120,6 +129,15 @@ class _SparseCompression(TFHookBase):
 
     def _acc_len(self) -> int:
         return _ACC
+
+    def _optimizer_seen(self, opt: Any) -> None:
+        """Horovod's Keras DistributedOptimizer was built around `opt` with this object (horovod_ext/keras_guard.py):
+        unless `momentum=` was given, report `opt`'s momentum (read once, before the first step traces the statistics;
+        an unreadable one keeps UNKNOWN_MOMENTUM)."""
+        if self._momentum_setting is None:
+            m = keras_optimizer_momentum(opt)
+            if m is not None:
+                self.momentum = m
 
     # ------------------------------------------------------------------ run time (py_function)
     def _rt_begin(self) -> np.ndarray:
@@ -297,9 +315,10 @@ class GravacCompression(_SparseCompression):
     Same settings as the torch object (docs/compression.md); `compressor` is "topk" (exact top-k,
     allgather) or "randomk" (shared seed, allreduce). `enabled=False`: Horovod's dense path, untouched
     (nothing is logged then). `tensorboard`: a directory (rank 0 writes) or a writer with add_scalar.
-    `momentum`: your optimizer's SGD momentum or Adam's beta1, 0 for none (a tape does not see the optimizer);
-    the policy caps the compression by it; unset, it assumes 0.9 (`crossover.driver.UNKNOWN_MOMENTUM`: the CF
-    stays where the commonest recipes keep accuracy) (docs/accuracy.md).
+    `momentum`: your optimizer's SGD momentum or Adam's beta1, 0 for none; the policy caps the compression by it.
+    Unset, Horovod's Keras `DistributedOptimizer` shows this object the optimizer it wraps, and its `momentum` or
+    `beta_1` is read; a gradient tape does not see the optimizer, and this object then assumes 0.9
+    (`crossover.driver.UNKNOWN_MOMENTUM`: the CF stays where the commonest recipes keep accuracy) (docs/accuracy.md).
     """
 
     def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,

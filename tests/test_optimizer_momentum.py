@@ -46,3 +46,50 @@ def test_hosts_that_cannot_see_the_optimizer_assume_the_commonest_momentum():
     assert reported_momentum(None) == UNKNOWN_MOMENTUM == 0.9
     assert reported_momentum(0.0) == 0.0 and reported_momentum(0.5) == 0.5
     assert momentum_cap(10.0, 100.0, reported_momentum(None)) == pytest.approx(10.0)
+
+
+class _Keras:
+    """A Keras-like optimizer: hyperparameters as attributes (tf-keras is read by duck typing, without TensorFlow)."""
+
+    def __init__(self, **hyper: object) -> None:
+        self.__dict__.update(hyper)
+
+
+class _Var:
+    """What a tf.Variable hyperparameter gives: a value through .numpy()."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def numpy(self) -> float:
+        return self.value
+
+
+class _Broken:
+    @property
+    def momentum(self) -> float:
+        raise RuntimeError("not readable here")
+
+
+@pytest.mark.parametrize("opt, expected", [
+    (_Keras(learning_rate=0.1, momentum=0.0), 0.0),          # tf.keras SGD
+    (_Keras(momentum=0.9, nesterov=True), 0.9),
+    (_Keras(beta_1=0.9, beta_2=0.999), 0.9),                 # Adam, AdamW, Nadam, Adamax
+    (_Keras(rho=0.9, momentum=0.5), 0.5),                    # RMSprop
+    (_Keras(initial_accumulator_value=0.1), 0.0),            # Adagrad: none
+    (_Keras(momentum=_Var(0.8)), 0.8),                       # a variable
+    (_Keras(inner_optimizer=_Keras(momentum=0.9)), 0.9),     # mixed precision's LossScaleOptimizer
+])
+def test_a_keras_optimizer_momentum_or_beta_1_counts(opt, expected):
+    from crossover.driver import keras_optimizer_momentum
+
+    assert keras_optimizer_momentum(opt) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("opt", [_Keras(momentum=lambda: 0.9), _Keras(momentum=float("nan")), _Keras(beta_1=1.0),
+                                 _Keras(momentum="0.9x"), _Broken()])
+def test_a_keras_momentum_that_cannot_be_read_is_unknown(opt):
+    # None: the TF object keeps UNKNOWN_MOMENTUM (0.9), the safe side, rather than reading 0 and lifting the cap
+    from crossover.driver import keras_optimizer_momentum
+
+    assert keras_optimizer_momentum(opt) is None

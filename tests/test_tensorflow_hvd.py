@@ -559,6 +559,51 @@ except xt.KerasVersionError as exc:
     assert "REFUSED" in proc.stdout and "TF_USE_LEGACY_KERAS=1" in proc.stdout and "tf-keras" in proc.stdout
 
 
+def keras_momentum_job():
+    """Horovod's Keras DistributedOptimizer shows our object its optimizer: the momentum each reports, unset or told,
+    and the cap and CFs of two short trainings (plain SGD, SGD momentum 0.9) with the defaults."""
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    from crossover.tensorflow import AdaptiveCompression
+
+    keras = tf.keras
+    out = {}
+    for label, make, told in (("sgd", lambda: keras.optimizers.SGD(0.1), None),
+                              ("sgd_momentum", lambda: keras.optimizers.SGD(0.1, momentum=0.9), None),
+                              ("adam", lambda: keras.optimizers.Adam(1e-3), None),
+                              ("told", lambda: keras.optimizers.SGD(0.1, momentum=0.9), 0.0)):
+        comp = AdaptiveCompression(min_compress_numel=1024, **({} if told is None else {"momentum": told}))
+        hvd.DistributedOptimizer(make(), compression=comp)
+        out[label] = comp.momentum
+    xtr, ytr, _, _ = _digits()
+    for label, momentum in (("fit_sgd", 0.0), ("fit_sgd_momentum", 0.9)):
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.layers.Dense(64, activation="relu", input_shape=(64,)), keras.layers.Dense(10)])
+        comp = AdaptiveCompression(min_compress_numel=1024)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=momentum), compression=comp)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(xtr[:640], ytr[:640], batch_size=32, epochs=2, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        st = comp.stats()
+        out[label] = {"max_cf": st["policy/max_cf"], "momentum": st["policy/momentum"], "step": st["step"]}
+    return out
+
+
+def test_keras_reads_the_optimizer_momentum_as_the_torch_objects_do():
+    # The torch objects read the wrapped optimizer's momentum (or Adam's beta1); a tape cannot, but Horovod's Keras
+    # DistributedOptimizer shows the compression object its optimizer, so a plain-SGD Keras user gets the whole ladder
+    # with no setting, and momentum 0.9 or Adam the cap at CF 10; `momentum=` still wins
+    r0, r1 = run_tf(keras_momentum_job, timeout=600, env={"TF_USE_LEGACY_KERAS": "1"})
+    assert r0 == r1
+    assert r0["sgd"] == 0.0 and r0["sgd_momentum"] == pytest.approx(0.9) and r0["adam"] == pytest.approx(0.9)
+    assert r0["told"] == 0.0
+    plain, heavy = r0["fit_sgd"], r0["fit_sgd_momentum"]
+    assert plain["step"] >= 30 and heavy["step"] >= 30, r0
+    assert plain["momentum"] == 0.0 and plain["max_cf"] == 100.0, plain
+    assert heavy["momentum"] == pytest.approx(0.9) and heavy["max_cf"] == 10.0, heavy
+
+
 def momentum_default_job():
     """The defaults, told nothing and told momentum=0: what cap each ends with, and the CF sent on each step."""
     from crossover.tensorflow import AdaptiveCompression

@@ -15,6 +15,7 @@ from crossover.driver.settings import (
     check_momentum,
     dqsgd_settings,
     gravac_or_dense,
+    keras_optimizer_momentum,
     lr_at,
     optimizer_momentum,
     reported_momentum,
@@ -31,5 +32,5 @@ from crossover.driver.steplog import StepLog
 
 __all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "UNKNOWN_MOMENTUM",
            "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
-           "check_min_numel", "check_momentum", "check_transport", "dqsgd_settings", "gravac_or_dense", "lr_at",
-           "optimizer_momentum", "reported_momentum"]
+           "check_min_numel", "check_momentum", "check_transport", "dqsgd_settings", "gravac_or_dense",
+           "keras_optimizer_momentum", "lr_at", "optimizer_momentum", "reported_momentum"]

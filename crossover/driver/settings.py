@@ -10,7 +10,7 @@ from crossover.compression.checks import check_flag
 from crossover.driver.sparse import CfPolicy
 
 __all__ = ["DQSGD_PARAMS", "UNKNOWN_MOMENTUM", "GradientKeys", "check_min_numel", "check_momentum", "dqsgd_settings",
-           "gravac_or_dense", "lr_at", "optimizer_momentum", "reported_momentum"]
+           "gravac_or_dense", "keras_optimizer_momentum", "lr_at", "optimizer_momentum", "reported_momentum"]
 
 
 class GradientKeys:
@@ -80,6 +80,40 @@ def optimizer_momentum(opt: Any) -> float:
         for m in candidates:
             if isinstance(m, (int, float)) and not isinstance(m, bool) and 0.0 <= m < 1.0:
                 best = max(best, float(m))
+    return best
+
+
+def keras_optimizer_momentum(opt: Any) -> float | None:
+    """The momentum of a Keras optimizer (tf-keras, read by duck typing: nothing here imports TensorFlow), or None
+    when it has one that cannot be read as a number (the caller then keeps the safe ``UNKNOWN_MOMENTUM``).
+
+    SGD-style ``momentum`` (SGD, RMSprop) and Adam's ``beta_1`` (Adam, AdamW, Nadam, Adamax) count alike, as in
+    :func:`optimizer_momentum`; a mixed-precision ``LossScaleOptimizer`` is read through its ``inner_optimizer``; an
+    optimizer with neither attribute (Adagrad, Ftrl) has none (0).
+    """
+    inner = getattr(opt, "inner_optimizer", None)
+    if inner is not None and inner is not opt:
+        opt = inner
+    best = 0.0
+    for name in ("momentum", "beta_1"):
+        try:
+            value = getattr(opt, name, None)
+        except Exception:  # noqa: BLE001 - present (not an AttributeError) but unreadable
+            return None
+        if value is None:
+            continue
+        if hasattr(value, "numpy"):  # a tf.Variable or an eager tensor
+            try:
+                value = value.numpy()
+            except Exception:  # noqa: BLE001 - symbolic, inside a graph
+                return None
+        try:
+            m = float(value)
+        except (TypeError, ValueError):  # a schedule or another object: present, unreadable
+            return None
+        if not 0.0 <= m < 1.0:  # NaN fails both comparisons
+            return None
+        best = max(best, m)
     return best
 
 
