@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from crossover.adaptive.static import StaticPolicy
+from crossover.compression.cost_model import INDEX_BYTES, gather_bitmap_bytes
 from crossover.compression.wire import SparseStatsLayout, shared_seed
 from crossover.driver import (
     CfPolicy,
@@ -83,6 +84,41 @@ def _stratified_indices(numel: int, k: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     return tf.cast(lo + off, tf.int32)
 
 
+# The allgather's payload is rows of two int32. Where a bitmap costs fewer bytes than the indices
+# (crossover.compression.cost_model.gather_bitmap: 4 k > ceil(n / 64) 8, about k > n / 32), a rank sends a bit per
+# element (element i: bit i % 8 of byte i // 8) in ceil(n / 64) rows, then its k values in ascending index order,
+# two per row; else (index, value) pairs. Every rank sends the same k (exact top-k at the step's CF), so the rule and
+# the rows agree on every rank. Bytes go into the int32 rows by bitcast and come out the same way: no byte order.
+_BIT_WEIGHTS = [1 << b for b in range(8)]
+
+
+def _bitmap_rows(idx: tf.Tensor, numel: int) -> tf.Tensor:
+    """Rows of the bitmap of `idx` (distinct int32 indices < numel): ceil(numel / 64) rows of two int32 words."""
+    rows = -(-numel // 64)
+    bits = tf.scatter_nd(idx[:, None], tf.ones(tf.shape(idx), tf.uint8), [rows * 64])
+    # distinct powers of two: the sum is the bitwise OR, at most 255
+    octets = tf.reduce_sum(tf.reshape(bits, [rows * 8, 8]) * tf.constant(_BIT_WEIGHTS, tf.uint8), 1)
+    return tf.reshape(tf.bitcast(tf.reshape(octets, [rows * 2, 4]), tf.int32), [rows, 2])
+
+
+def _value_rows(vals: tf.Tensor) -> tf.Tensor:
+    """float32 values as rows of two int32 (bit for bit), the last row padded with a zero."""
+    padded = tf.pad(vals, [[0, tf.size(vals) % 2]])
+    return tf.reshape(tf.bitcast(padded, tf.int32), [-1, 2])
+
+
+def _unpack_bitmaps(gathered: tf.Tensor, numel: int, k: tf.Tensor, world: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Every rank's (positions, values) from an allgather of `_bitmap_rows` + `_value_rows` parts, rank by rank."""
+    rows = -(-numel // 64)
+    parts = tf.reshape(gathered, [world, -1, 2])
+    octets = tf.reshape(tf.bitcast(parts[:, :rows, :], tf.uint8), [world, rows * 8])  # one byte per 8 elements
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(octets[:, :, None], tf.constant(list(range(8)), tf.uint8)), 1)
+    mask = tf.reshape(bits, [world, rows * 64])[:, :numel] > 0
+    pos = tf.cast(tf.where(mask)[:, 1], tf.int32)  # row-major: rank by rank, ascending, k per rank
+    vals = tf.reshape(tf.bitcast(parts[:, rows:, :], tf.float32), [world, -1])[:, :k]
+    return pos, tf.reshape(vals, [-1])
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +132,7 @@ class _Ctx:
     gathered: tf.Tensor
     idx: tf.Tensor
     k: tf.Tensor
+    bitmap: tf.Tensor  # the allgather's rows are bitmaps + values (else pairs)
     sent_bytes: tf.Tensor
     dense_bytes: float
 
@@ -204,6 +241,8 @@ class _SparseCompression(TFHookBase):
                           tf.sqrt(dense_sq), tf.constant(self.momentum, tf.float32), sq_floor, sq_cand,
                           tf.sqrt(sq_floor), tf.sqrt(sq_cand)])
         name = f"crossover.allgather.{self._uid}.{safe_name(key)}"
+        bitmap_bytes = gather_bitmap_bytes(numel)
+        bitmap = tf.cast(k_send, tf.int64) * INDEX_BYTES > bitmap_bytes  # cost_model.gather_bitmap, in graph
 
         def dense_branch():
             return (tf.concat([acc, stats], 0), tf.zeros([0, 2], tf.int32), tf.zeros([0], tf.int32),
@@ -211,7 +250,12 @@ class _SparseCompression(TFHookBase):
 
         def allgather_branch():
             vals = tf.gather(acc, idx_send)
-            packed = tf.stack([idx_send, tf.bitcast(vals, tf.int32)], axis=1)
+
+            def as_bitmap():
+                ordered = tf.sort(idx_send)
+                return tf.concat([_bitmap_rows(ordered, numel), _value_rows(tf.gather(acc, ordered))], 0)
+
+            packed = tf.cond(bitmap, as_bitmap, lambda: tf.stack([idx_send, tf.bitcast(vals, tf.int32)], axis=1))
             gathered = hvd.allgather(packed, name=name)
             left = tf.tensor_scatter_nd_update(acc, idx_send[:, None], tf.zeros_like(vals))
             return stats, gathered, idx_send, left
@@ -227,11 +271,13 @@ class _SparseCompression(TFHookBase):
         if residual is not None:
             deps.append(residual.assign(left))
         sent = tf.cast(tf.size(payload) * 4, tf.float64)  # what this rank hands to Horovod, in bytes
-        sent += tf.where(tf.equal(mode, _MODE_ALLGATHER), tf.cast(k_send, tf.float64) * 8.0, 0.0)
+        k64 = tf.cast(k_send, tf.float64)
+        part = tf.where(bitmap, bitmap_bytes + 8.0 * tf.math.ceil(k64 / 2.0), 8.0 * k64)  # cost_model.gather_part_bytes
+        sent += tf.where(tf.equal(mode, _MODE_ALLGATHER), part, 0.0)
         with tf.control_dependencies(deps):
             payload = tf.identity(payload)
         ctx = _Ctx(mode=mode, numel=numel, shape=tensor.shape, gathered=gathered, idx=idx,
-                   k=tf.minimum(k_send, numel), sent_bytes=sent, dense_bytes=float(numel * 4))
+                   k=tf.minimum(k_send, numel), bitmap=bitmap, sent_bytes=sent, dense_bytes=float(numel * 4))
         return payload, ctx
 
     @tf.autograph.experimental.do_not_convert
@@ -261,9 +307,11 @@ class _SparseCompression(TFHookBase):
             return tensor[:n]
 
         def gathered():
-            idx = ctx.gathered[:, 0]
-            vals = tf.bitcast(ctx.gathered[:, 1], tf.float32) * factor
-            return tf.scatter_nd(idx[:, None], vals, [n])  # overlapping indices add up
+            def pairs():
+                return ctx.gathered[:, 0], tf.bitcast(ctx.gathered[:, 1], tf.float32)
+
+            idx, vals = tf.cond(ctx.bitmap, lambda: _unpack_bitmaps(ctx.gathered, n, ctx.k, world), pairs)
+            return tf.scatter_nd(idx[:, None], vals * factor, [n])  # overlapping indices add up
 
         def shared():
             return tf.scatter_nd(ctx.idx[:, None], tensor[:ctx.k], [n])

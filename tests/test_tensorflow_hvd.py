@@ -94,6 +94,8 @@ def averages_job():
         "topk_groups": (StaticCompression("topk", cf=10, error_feedback=False), {"groups": 1}),
         "topk_predivide": (StaticCompression("topk", cf=10, error_feedback=False), {"gradient_predivide_factor": 2.0}),
         "topk_dense": (StaticCompression("topk", cf=1.5, error_feedback=False), {}),  # CF < world: dense
+        "topk100": (StaticCompression("topk", cf=100, error_feedback=False), {}),
+        "topk7": (StaticCompression("topk", cf=7, error_feedback=False), {}),  # an odd k: a padded last value row
         "qsgd_ag": (QSGDCompression(8, transport="allgather"), {}),
         "qsgd_ar": (QSGDCompression(8, transport="allreduce"), {}),
     }
@@ -145,7 +147,17 @@ def test_averages_match_horovod_and_compression_off_is_exact():
     assert res[0]["topk_eager_step"] == 2
     k = int(np.ceil(N / 10))
     nstats = SparseStatsLayout(2).length  # the statistics vector that rides with the payload (floor, candidate)
-    assert res[0]["topk_stats"]["bytes_sent"] == k * 8 + nstats * 4 and res[0]["topk_stats"]["bytes_dense"] == N * 4
+    # k > N / 32: a bitmap (a bit per element, in rows of 64) and the values, not (index, value) pairs
+    bitmap = -(-N // 64) * 8 + 8 * -(-k // 2)
+    assert res[0]["topk_stats"]["bytes_sent"] == bitmap + nstats * 4 and res[0]["topk_stats"]["bytes_dense"] == N * 4
+    assert bitmap < k * 8
+    k100 = int(np.ceil(N / 100))  # k < N / 32: pairs
+    both100 = _topk_local(g0, 100) + _topk_local(g1, 100)
+    both7 = _topk_local(g0, 7) + _topk_local(g1, 7)
+    for r in res:
+        np.testing.assert_allclose(r["topk100"], both100 / 2, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(r["topk7"], both7 / 2, rtol=1e-6, atol=1e-6)
+        assert r["topk100_stats"]["bytes_sent"] == k100 * 8 + nstats * 4
     assert res[0]["randomk_stats"]["bytes_sent"] == (N // 4 + nstats) * 4
     scale = max(np.abs(g0).max(), np.abs(g1).max())
     qa, qr = (np.asarray(res[0][n], np.float32) for n in ("qsgd_ag", "qsgd_ar"))
