@@ -16,7 +16,8 @@ process plays every rank of a synchronous data-parallel job:
 * simulated step time = compute time (measured once per model width: median of real forward + backward
   + update steps, optionally scaled or fixed) + communication time modeled from the bytes of
   ``crossover/compression/cost_model.py`` at the link rate (ring allreduce of the dense tensors fused
-  into one collective, one allgather per sparse tensor, ``--latency-us`` per collective) + the
+  into one collective, one allgather per sparse tensor of (index, value) pairs, or of a bitmap and the values
+  below CF 32 as the codec sends them, ``--latency-us`` per collective) + the
   compression cost measured on this machine (median of the first measurements of each distinct plan,
   cached, so every method is charged the same for the same work), times a seeded random jitter.
 
@@ -254,7 +255,7 @@ class _StepRecord:
     cost_s: float
     dense_elems: int  # elements of the fused allreduce (fp32, or fp16 when fp16)
     dense_width: int
-    gather_elems: list[int]  # per sparse tensor: the largest count any rank contributed
+    gather_elems: list[tuple[int, int]]  # per sparse tensor: (the largest count any rank contributed, its elements)
     bytes_sent: float  # per rank, as the glue counts it
     loss: float
 
@@ -368,7 +369,9 @@ class Simulator:
     def step_time(self, rec: _StepRecord, wl: Workload, compute_s: float, world: int, rng: random.Random) -> float:
         comp = wl.compute_ms / 1e3 if wl.compute_ms is not None else compute_s * wl.compute_scale
         nbytes = cost_model.allreduce_bytes(rec.dense_elems, world, rec.dense_width) if rec.dense_elems else 0.0
-        nbytes += sum(cost_model.allgather_bytes(k, world) for k in rec.gather_elems)
+        # each rank's part as the codec sends it: (index, value) pairs, or a bitmap and the values below CF 32
+        nbytes += sum(cost_model.ring_allgather(cost_model.gather_part_bytes(k, n, cost_model.gather_bitmap(k, n)),
+                                                world).bytes for k, n in rec.gather_elems)
         collectives = (1 if rec.dense_elems else 0) + len(rec.gather_elems)
         t = comp + rec.cost_s + nbytes * 8.0 / wl.rate_bps + collectives * self.latency_s
         if self.jitter > 0:
@@ -484,7 +487,7 @@ class Simulator:
             reduced = torch.stack([payload for payload, _, _ in encoded]).mean(0)
             ctx0 = encoded[0][1]
             if ctx0.kind == transport.GATHER:
-                gather.append(max(ctx.idx.numel() for _, ctx, _ in encoded))
+                gather.append((max(ctx.idx.numel() for _, ctx, _ in encoded), numel))
             dense_elems += reduced.numel()
             sent += statistics.fmean(nbytes for _, _, nbytes in encoded)
             for r, rk in reversed(list(enumerate(ranks))):  # rank 0 last: its decode is timed, its output kept
@@ -1009,7 +1012,7 @@ def _cache_key(a: argparse.Namespace, m: Method, seed: int, width: float, total:
     import hashlib
 
     text = json.dumps([m.kind, m.cf, seed, width, total, a.ranks, a.batch_size, a.lr, a.momentum,
-                       a.min_compress_numel, a.eval_every, torch.__version__, 1])
+                       a.min_compress_numel, a.eval_every, torch.__version__, 2])  # 2: gather entries (k, n)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -1020,7 +1023,8 @@ def _cache_load(folder: str | None, key: str) -> RunResult | None:
     if not path.exists():
         return None
     d = json.loads(path.read_text())
-    records = [_StepRecord(r[0], tuple(r[1]), r[2], r[3], r[4], list(r[5]), r[6], r[7]) for r in d["records"]]
+    records = [_StepRecord(r[0], tuple(r[1]), r[2], r[3], r[4], [tuple(g) for g in r[5]], r[6], r[7])
+               for r in d["records"]]
     return RunResult(d["method"], None, d["seed"], d["width"], records, [tuple(e) for e in d["evals"]],
                      d["dense_bytes"])
 

@@ -6,6 +6,7 @@ A few steps of the smallest digits MLP (hidden 512) on one workload: well under 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,21 @@ def test_gain_study_tabulates_every_definition(tmp_path: Path) -> None:
     assert dense["10"]["residual_ratio"] == pytest.approx(1.0)  # dense: no residual
     assert 0 < dense["1000"]["delivered"] < dense["100"]["delivered"] < dense["10"]["delivered"] <= 1.0
     assert "| 10 | 0-5 | CF 10 |" in (tmp_path / "gain_study.md").read_text()
+
+
+def test_the_allgather_is_priced_as_the_codec_sends_it() -> None:
+    # Below CF 32 a rank's part is a bitmap and the values (cost_model.gather_bitmap), not (index, value) pairs: the
+    # time model prices what the wire carries. 2 ranks, 8 Mbit/s (1 byte per microsecond), no compute, no latency.
+    from benchmarks.sim_gravac import Simulator, Workload, _StepRecord
+
+    sim = Simulator(sim_gravac.CostBook(), lr=0.1, momentum=0.0, min_compress_numel=1, eval_every=1, jitter=0.0,
+                    latency_s=0.0, log_every=0)
+    wl = Workload("w", 1.0, 8e6, compute_ms=0.0)
+
+    def seconds(k: int, n: int) -> float:
+        rec = _StepRecord(10.0, (), 0.0, 0, 4, [(k, n)], 0.0, 0.0)
+        return sim.step_time(rec, wl, 0.0, 2, random.Random(0))
+
+    n = 64_000
+    assert seconds(n // 10, n) == pytest.approx((n // 8 + 4 * (n // 10)) * 1e-6)  # CF 10: bitmap + values
+    assert seconds(n // 100, n) == pytest.approx(8 * (n // 100) * 1e-6)          # CF 100: pairs
