@@ -94,7 +94,7 @@ _BIT_WEIGHTS = [1 << b for b in range(8)]
 
 def _bitmap_rows(idx: tf.Tensor, numel: int) -> tf.Tensor:
     """Rows of the bitmap of `idx` (distinct int32 indices < numel): ceil(numel / 64) rows of two int32 words."""
-    rows = -(-numel // 64)
+    rows = gather_bitmap_bytes(numel) // 8
     bits = tf.scatter_nd(idx[:, None], tf.ones(tf.shape(idx), tf.uint8), [rows * 64])
     # distinct powers of two: the sum is the bitwise OR, at most 255
     octets = tf.reduce_sum(tf.reshape(bits, [rows * 8, 8]) * tf.constant(_BIT_WEIGHTS, tf.uint8), 1)
@@ -109,7 +109,7 @@ def _value_rows(vals: tf.Tensor) -> tf.Tensor:
 
 def _unpack_bitmaps(gathered: tf.Tensor, numel: int, k: tf.Tensor, world: int) -> tuple[tf.Tensor, tf.Tensor]:
     """Every rank's (positions, values) from an allgather of `_bitmap_rows` + `_value_rows` parts, rank by rank."""
-    rows = -(-numel // 64)
+    rows = gather_bitmap_bytes(numel) // 8
     parts = tf.reshape(gathered, [world, -1, 2])
     octets = tf.reshape(tf.bitcast(parts[:, :rows, :], tf.uint8), [world, rows * 8])  # one byte per 8 elements
     bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(octets[:, :, None], tf.constant(list(range(8)), tf.uint8)), 1)
@@ -249,15 +249,15 @@ class _SparseCompression(TFHookBase):
                     tf.zeros_like(acc))
 
         def allgather_branch():
-            vals = tf.gather(acc, idx_send)
-
             def as_bitmap():
                 ordered = tf.sort(idx_send)
                 return tf.concat([_bitmap_rows(ordered, numel), _value_rows(tf.gather(acc, ordered))], 0)
 
-            packed = tf.cond(bitmap, as_bitmap, lambda: tf.stack([idx_send, tf.bitcast(vals, tf.int32)], axis=1))
-            gathered = hvd.allgather(packed, name=name)
-            left = tf.tensor_scatter_nd_update(acc, idx_send[:, None], tf.zeros_like(vals))
+            def as_pairs():
+                return tf.stack([idx_send, tf.bitcast(tf.gather(acc, idx_send), tf.int32)], axis=1)
+
+            gathered = hvd.allgather(tf.cond(bitmap, as_bitmap, as_pairs), name=name)
+            left = tf.tensor_scatter_nd_update(acc, idx_send[:, None], tf.zeros(tf.shape(idx_send), acc.dtype))
             return stats, gathered, idx_send, left
 
         def allreduce_branch():
