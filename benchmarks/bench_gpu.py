@@ -33,7 +33,7 @@ from crossover.compression import kernels as K  # noqa: E402
 from crossover.compression import quantize as Q  # noqa: E402
 from crossover.compression.quant_codec import QuantCodec  # noqa: E402
 from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
-from crossover.driver import StepRecord  # noqa: E402
+from crossover.driver import StepRecord, transport  # noqa: E402
 
 from . import kernel_table  # noqa: E402
 
@@ -360,16 +360,19 @@ def main(argv: list[str] | None = None) -> int:
             codec = SparseCodec(comp, error_feedback=True, seed=1, grad_norms=True)
             rec = StepRecord(step=1, sent_cf=1 / args.density, probes=(1 / args.density,))
 
-            def sc(codec=codec, rec=rec) -> None:
-                payload, ctx, _ = codec.encode("w", g, rec, 0.1, grp)
+            kind, _ = transport.sparse_route(rec, g.numel(), grp.size(), shared_indices=codec.selector.shared_indices,
+                                             alltoall=False)
+
+            def sc(codec=codec, rec=rec, kind=kind) -> None:
+                payload, ctx, _ = codec.encode("w", g, rec, 0.1, grp, kind)
                 codec.decode(payload, ctx, grp)
 
             row(f"SparseCodec({comp}, EF) encode + decode at CF {1 / args.density:g}{sfx}", sc, "codec")
         for bits in (4, 8):
-            qc = QuantCodec(error_feedback=True, seed=1, transport="allgather")
+            qc = QuantCodec(error_feedback=True, seed=1)
 
             def qcd(qc=qc, bits=bits) -> None:
-                payload, ctx, _ = qc.encode("w", g, bits, 1, grp)
+                payload, ctx, _ = qc.encode("w", g, bits, 1, grp, "allgather")
                 qc.decode(payload, ctx, grp)
 
             row(f"QuantCodec(bits={bits}, EF, allgather) encode + decode{sfx}", qcd, "codec")

@@ -55,7 +55,7 @@ def compatible(model: str, dataset: str) -> str | None:
 class Method:
     """A parsed ``--compression`` spec: its kind and its one number (CF or bits), if any."""
 
-    kind: str  # none, fp16, topk, randomk, dgc, redsync, qsgd, gravac, dqsgd
+    kind: str  # none, fp16, topk, randomk, dgc, redsync, powersgd, qsgd, gravac, dqsgd
     value: float | None = None
 
     @property
@@ -66,9 +66,10 @@ class Method:
         return f"{self.kind}:{self.value:g}"
 
 
-STATIC_KINDS = ("topk", "randomk", "dgc", "redsync")
+STATIC_KINDS = ("topk", "randomk", "dgc", "redsync", "powersgd")
 PLAIN_KINDS = ("none", "fp16", "gravac", "dqsgd")
-COMPRESSION_HELP = "none, fp16, topk:CF, randomk:CF, dgc:CF, redsync:CF, qsgd:BITS (2..8), gravac, dqsgd"
+COMPRESSION_HELP = ("none, fp16, topk:CF, randomk:CF, dgc:CF, redsync:CF, powersgd:CF (low rank), qsgd:BITS (2..8), "
+                    "gravac, dqsgd")
 
 
 def parse_compression(spec: str) -> Method:

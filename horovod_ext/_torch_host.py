@@ -13,14 +13,14 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * the optimizer's `synchronize()` (in `step()`) first waits on its handles by polling with short sleeps:
   Horovod's own wait spins a core, which a machine with a core per rank takes from the background
   thread and the network.
-Subclasses hold a step driver (crossover/driver/) and a codec (crossover/compression/).
+Everything else is the step session (crossover/driver/session.py): a step driver and a codec.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 
 from crossover.compression.grouped import GroupedCollectives
 from crossover.driver import GradientKeys, check_min_numel
+from crossover.driver.session import StepSession
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import (
     torch_hook_caller,
@@ -98,10 +99,12 @@ class _Alltoall:
 
 
 class TorchHookBase(metaclass=CompressionType):
-    """Step boundaries, keys and pass-through for a horovod.torch compression object."""
+    """Step boundaries, keys and pass-through for a horovod.torch compression object; the subclass builds its
+    step session (crossover/driver/session.py: a step driver and a codec) and passes it here."""
 
-    def __init__(self, *, min_compress_numel: int) -> None:
+    def __init__(self, session: StepSession, *, min_compress_numel: int) -> None:
         self.min_compress_numel = check_min_numel(min_compress_numel)
+        self.session = session
         self.grouped = True  # the codec's allgathers travel in groups (False: one per tensor, as before)
         self.quiet_wait = True  # step() polls its handles with short sleeps (False: Horovod's spinning wait)
         self.comm = GroupedCollectives(HorovodCollectives())
@@ -114,39 +117,11 @@ class TorchHookBase(metaclass=CompressionType):
         self._step_other: set[str] = set()  # dtypes of floating gradients passed through as not float32
         self._warned_small = False
         self._passed: list[torch.Tensor] = []  # per tensor passed through this step: finite after the reduction
-        self._step_keys: dict[str, bool] = {}  # compressed this step -> its decode already undid it (non-finite)
-
-    # ------------------------------------------------------------------ for subclasses
-    def _begin_step(self) -> None:
-        raise NotImplementedError
-
-    def _count(self, sent: int, dense: int) -> None:
-        raise NotImplementedError
-
-    def _skips_all(self) -> bool:
-        """True when this step compresses nothing (the plan is dense and measures nothing)."""
-        return False
-
-    def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
-
-    def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _optimizer_seen(self, opt: Any) -> None:
-        """The calling optimizer (None when unknown), once per compress."""
-
-    def _mark_nonfinite(self) -> None:
-        """A tensor passed through untouched was inf/NaN after the reduction: tell the driver (not observed)."""
-
-    def _step_nonfinite(self) -> bool:
-        """Whether the driver holds the step in flight as non-finite (its statistics, or `_mark_nonfinite`)."""
-        return False
+        self.codec, self.driver = session.codec, session.driver  # for reading: every call goes through the session
 
     @property
-    def _residuals(self) -> dict[str, torch.Tensor]:
-        """The codec's error-feedback residuals by key (the live tensors)."""
-        return {}
+    def policy(self) -> Any:
+        return self.session.policy
 
     # ------------------------------------------------------------------ Horovod interface
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -167,7 +142,7 @@ class TorchHookBase(metaclass=CompressionType):
                 self._order = torch_parameter_order(opt)
         self.comm.enabled = self.grouped
         self.comm.inner.quiet = self.quiet_wait
-        self._optimizer_seen(opt)
+        self.session.optimizer_seen(opt)
         nbytes = tensor.numel() * tensor.element_size()
         small = tensor.numel() < self.min_compress_numel
         if tensor.dtype == torch.float32 and not tensor.is_sparse:
@@ -175,22 +150,23 @@ class TorchHookBase(metaclass=CompressionType):
             self._step_large += int(not small)
         elif tensor.is_floating_point() and not tensor.is_sparse:
             self._step_other.add(str(tensor.dtype).replace("torch.", ""))
-        if tensor.dtype != torch.float32 or tensor.is_sparse or small or self._skips_all():
-            self._count(nbytes, nbytes)
+        if tensor.dtype != torch.float32 or tensor.is_sparse or small or self.session.skips_all():
+            self.session.count(nbytes, nbytes)
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
         if repeated:  # same parameter twice in one step: treat as a new step
             self.comm.flush()
             self._settle_step()
-            self._begin_step()
+            self.session.begin_step(self.comm)
             self._keys.begin()
             self._keys.key(name)
             self.comm.begin_step()
-        self._count(0, nbytes)
-        self._step_keys[key] = False
         ordinal = self._order.get(key)  # backward runs roughly in reverse registration order; else arrival order
         self.comm.note(-ordinal if ordinal is not None else self._step_large, tensor.numel())
-        return self._compress_float(tensor, key)
+        payload, ctx = self.session.encode(key, tensor, self.comm)
+        if getattr(ctx, "stats_apart", None) is not None:  # a dense payload: its statistics go by their own allreduce
+            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
+        return payload, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
@@ -201,15 +177,63 @@ class TorchHookBase(metaclass=CompressionType):
             if tensor.is_floating_point() and not tensor.is_sparse:
                 self._passed.append(torch.isfinite(tensor).all())  # no sync here: read once, at the step's end
             return tensor
-        return self._decompress(tensor, ctx)
+        handle = getattr(ctx, "stats_handle", None)
+        stats = None if handle is None else self.comm.inner.wait(handle)
+        return self.session.decode(tensor, ctx, self.comm, stats)
 
     def reset(self) -> None:
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
         self._phase = "idle"
         self._keys.begin()
         self._passed.clear()
-        self._step_keys.clear()
         self.comm.reset()
+        self.session.reset()
+
+    # ------------------------------------------------------------------ telemetry and state
+    def stats(self) -> dict[str, Any]:
+        """Cumulative telemetry of this rank: step, CF or bits in use, bytes sent vs dense; flat (`policy/...`)."""
+        self._between_steps()
+        return self.session.stats()
+
+    def close_tensorboard(self) -> None:
+        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
+        self.session.close_tensorboard()
+
+    def state_dict(self, include_residuals: bool = True) -> dict[str, Any]:
+        """Everything a resumed run needs to continue the same schedule."""
+        self._between_steps()
+        state = self.session.state_dict()
+        if include_residuals:
+            state["residuals"] = self.codec.memory.state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`; the step in flight (if any) is dropped.
+
+        Everything (policy, counters, step records, residuals: finite, of the right size) is validated
+        before anything is applied: a bad state raises ValueError and leaves this object unchanged.
+        """
+        if isinstance(state, Mapping) and "residuals" in state:
+            self.codec.memory.validate(state["residuals"])
+        in_flight = self.session.load_state_dict(state)
+        if "residuals" in state:
+            self.codec.memory.load(state["residuals"])
+        self._phase = "idle"
+        self._keys.begin()
+        self._passed.clear()
+        self.comm.reset()
+        if in_flight:
+            self._phase = "decompress"  # the next compress finishes the restored step
+
+    def sync(self, root_rank: int = 0) -> None:
+        """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
+        where ranks loaded different checkpoints); residuals stay per rank. Runs on the optimizer's
+        process set once a step has bound it (every member calls it; `root_rank` is a rank in that set)."""
+        ps = self.comm.inner.process_set
+        kw = {} if ps is None else {"process_set": ps}
+        state = hvd.broadcast_object(self.state_dict(include_residuals=False), root_rank=root_rank,
+                                     name="crossover.compression.sync", **kw)
+        self.load_state_dict(state)
 
     # ------------------------------------------------------------------ internals
     def _new_step(self) -> None:
@@ -229,32 +253,15 @@ class TorchHookBase(metaclass=CompressionType):
         self._step_large = self._step_small = 0
         self._step_other.clear()
         self._settle_step()
-        self._begin_step()
+        self.session.begin_step(self.comm)
         self._phase = "compress"
         self._keys.begin()
         self.comm.begin_step()
 
     def _settle_step(self) -> None:
-        """The step in flight is over (the next begins, or stats()/state_dict() between steps).
-
-        A tensor passed through untouched (below min_compress_numel, not float32) reaches every rank with the
-        same reduced value, so inf/NaN in it is seen alike everywhere with no collective: the step is then
-        non-finite although every compressed tensor's statistics were finite. A non-finite step, whatever
-        showed it, leaves no trace in error feedback: a compressed tensor whose own decode did not already
-        put its residual back (its statistics were finite) has it reset to zeros (the pre-step residual is
-        gone by now; keeping the step's gradient would send the skipped step later).
-        """
-        flags, self._passed = self._passed, []
-        if flags and not all(bool(torch.stack([f for f in flags if f.device == d]).all())
-                             for d in {f.device for f in flags}):
-            self._mark_nonfinite()
-        if self._step_keys and self._step_nonfinite():
-            residuals = self._residuals
-            for key, undone in self._step_keys.items():
-                res = residuals.get(key)
-                if res is not None and not undone:
-                    res.zero_()
-        self._step_keys.clear()
+        """The step in flight is over: the session settles it (crossover/driver/session.py)."""
+        passed, self._passed = self._passed, []
+        self.session.settle(passed)
 
     def _between_steps(self) -> None:
         """Settle the last step if it is over (called by stats() and state_dict())."""

@@ -17,26 +17,16 @@ How it fits Horovod's hook (see docs/compression.md and docs/architecture.md):
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 
+from crossover.adaptive.gravac import GravacPolicy
 from crossover.adaptive.static import StaticPolicy
-from crossover.compression.agreed import sets_from_state
-from crossover.compression.sparse_codec import SparseCodec
-from crossover.driver import (
-    ALLTOALL_DEFAULT_TRANSPORT,
-    CfPolicy,
-    SparseStepDriver,
-    check_momentum,
-    check_transport,
-    gravac_or_dense,
-    optimizer_momentum,
-)
+from crossover.driver import ALLTOALL_DEFAULT_TRANSPORT, CfPolicy, check_transport, gravac_or_dense
+from crossover.driver.session import cf_session, check_compressor
 from horovod_ext._class_guard import CompressionType
 from horovod_ext._facade import AdaptiveFacade
 from horovod_ext._torch_host import TorchHookBase
@@ -48,135 +38,30 @@ log = logging.getLogger(__name__)
 
 
 class _SparseCompression(TorchHookBase):
-    """A CF policy driving a sparsifying codec: the shared body of GraVAC and static compression."""
+    """A CF policy driving a sparsifying codec (a `SparseSession`): the shared body of GraVAC and static compression."""
 
     def __init__(self, compressor: str, policy: CfPolicy, *, error_feedback: bool, min_compress_numel: int,
                  seed: int, log_csv: str | None, transport: str, tensorboard: Any = None,
                  momentum: float | None = None, clock: Callable[[], float] | None = None) -> None:
         check_transport(transport)
-        if clock is not None and not callable(clock):
-            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
-        super().__init__(min_compress_numel=min_compress_numel)
-        self.clock = clock or time.perf_counter  # GraVAC's step time: the difference between two step starts
-        self._momentum_setting = check_momentum(momentum)
-        self.momentum = self._momentum_setting or 0.0  # reported to the policy, which caps the CF by it
+        check_compressor(compressor, adaptive=isinstance(policy, GravacPolicy))
         # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
         # Horovod's response cache spares it the full negotiation (a size that changes renegotiates every step)
         # dense_stats_apart: a dense payload is the gradient itself (no copy to append the statistics); the
         # statistics go by an allreduce of their own, which Horovod fuses with the step's other small tensors
-        self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
-                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)), fixed_gather=True,
-                                 dense_stats_apart=True)
-        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
-                                       seed_check=self.codec.seed_check, tensorboard=tensorboard,
-                                       transport=None if self.codec.selector.shared_indices else transport,
-                                       alltoall=True)
+        # momentum: the optimizer's, read at every step (0 until an optimizer is seen)
+        session = cf_session(compressor, policy, error_feedback=error_feedback, seed=seed, log_csv=log_csv,
+                             rank=hvd.rank, transport=transport, alltoall=True, fixed_gather=True,
+                             dense_stats_apart=True, tensorboard=tensorboard, momentum=momentum,
+                             unknown_momentum=0.0, clock=clock)
+        super().__init__(session, min_compress_numel=min_compress_numel)
         self.compressor = compressor
         self.error_feedback = bool(error_feedback)
         self.log_csv = log_csv
 
     @property
-    def policy(self) -> CfPolicy:
-        return self.driver.policy
-
-    @property
     def seed(self) -> int:
         return self.driver.seed
-
-    @property
-    def _residuals(self) -> dict[str, torch.Tensor]:
-        return self.codec.memory._residuals
-
-    # ------------------------------------------------------------------ TorchHookBase
-    def _begin_step(self) -> None:
-        self.driver.begin_step(self.clock())
-
-    def _count(self, sent: int, dense: int) -> None:
-        self.driver.count(sent, dense)
-
-    def _skips_all(self) -> bool:
-        return self.driver.skips_all()
-
-    def _optimizer_seen(self, opt: Any) -> None:
-        if self._momentum_setting is None and opt is not None:
-            self.momentum = optimizer_momentum(opt)
-
-    def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
-        payload, ctx, sent = self.codec.encode(key, tensor, self.driver.current, self.driver.last_step_time,
-                                               self.comm, momentum=self.momentum)
-        if ctx.stats_apart is not None:
-            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
-        self.driver.count(sent, 0)
-        return payload, ctx
-
-    def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        stats = None if ctx.stats_handle is None else self.comm.inner.wait(ctx.stats_handle)
-        out, stats = self.codec.decode(tensor, ctx, self.comm, stats)
-        vec = stats.tolist()
-        if not all(math.isfinite(v) for v in vec):
-            self._step_keys[ctx.key] = True  # the codec put its residual back
-        self.driver.add_reduced(vec, self.comm.size())
-        return out
-
-    def _mark_nonfinite(self) -> None:
-        self.driver.mark_nonfinite()
-
-    def _step_nonfinite(self) -> bool:
-        return self.driver.current is not None and self.driver.current.nonfinite
-
-    # ------------------------------------------------------------------ telemetry and state
-    def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank: step, CF in use, gain, bytes sent vs dense; flat (`policy/...`)."""
-        self._between_steps()
-        return self.driver.stats()
-
-    def close_tensorboard(self) -> None:
-        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
-        self.driver.close_tensorboard()
-
-    def state_dict(self, include_residuals: bool = True) -> dict[str, Any]:
-        """Everything a resumed run needs to continue the same schedule."""
-        self._between_steps()
-        state = self.driver.state_dict()
-        state["agreed"] = self.codec.agreed_state()  # the same on every rank: kept by sync() too
-        if include_residuals:
-            state["residuals"] = self.codec.memory.state()
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`; the step in flight (if any) is dropped.
-
-        Everything (policy, counters, step records, residuals: finite, of the right size) is validated
-        before anything is applied: a bad state raises ValueError and leaves this object unchanged.
-        """
-        if isinstance(state, Mapping) and "residuals" in state:
-            self.codec.memory.validate(state["residuals"])
-        if isinstance(state, Mapping) and "agreed" in state:
-            sets_from_state(state["agreed"])  # checked before anything changes
-        in_flight = self.driver.load_state_dict(state)
-        self.codec.seed = self.driver.seed
-        self.codec.load_agreed(state.get("agreed", {}))
-        if "residuals" in state:
-            self.codec.memory.load(state["residuals"])
-        TorchHookBase.reset(self)
-        if in_flight:
-            self._phase = "decompress"  # the next compress finishes the restored step
-
-    def reset(self) -> None:
-        """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
-        super().reset()
-        self.driver.reset()
-        self.codec.forget_agreed()
-
-    def sync(self, root_rank: int = 0) -> None:
-        """Make every rank's policy state equal to `root_rank`'s (after an elastic reset, or a resume
-        where ranks loaded different checkpoints); residuals stay per rank. Runs on the optimizer's
-        process set once a step has bound it (every member calls it; `root_rank` is a rank in that set)."""
-        ps = self.comm.inner.process_set
-        kw = {} if ps is None else {"process_set": ps}
-        state = hvd.broadcast_object(self.state_dict(include_residuals=False), root_rank=root_rank,
-                                     name="crossover.compression.sync", **kw)
-        self.load_state_dict(state)
 
 
 class GravacCompression(_SparseCompression):

@@ -13,90 +13,33 @@ picks the next step's bits (docs/dqsgd.md). Steps, keys and pass-through: horovo
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Union
 
 import horovod.torch as hvd
-import torch
 
-from crossover.compression.quant_codec import TRANSPORTS, QuantCodec, choose_quant_transport
-from crossover.driver import QuantStepDriver, dqsgd_settings, lr_at
+from crossover.compression.quant_codec import QuantCodec
+from crossover.driver import QuantStepDriver, dqsgd_settings
+from crossover.driver.session import QuantSession
 from horovod_ext._torch_host import TorchHookBase
 
-__all__ = ["DqsgdCompression", "QSGDCompression", "choose_quant_transport", "TRANSPORTS"]
+__all__ = ["DqsgdCompression", "QSGDCompression"]
 
 log = logging.getLogger(__name__)
 LR = Union[float, Callable[[int], float], None]
 
 
 class _QuantizedCompression(TorchHookBase):
-    """A bits-per-step driver and a quantizing codec: the shared body of DQ-SGD and QSGD."""
+    """A bits-per-step driver and a quantizing codec (a `QuantSession`): the shared body of DQ-SGD and QSGD."""
 
     def __init__(self, driver: QuantStepDriver, *, error_feedback: bool, min_compress_numel: int, seed: int,
-                 transport: str) -> None:
-        super().__init__(min_compress_numel=min_compress_numel)
-        self.codec = QuantCodec(error_feedback=error_feedback, seed=seed, transport=transport)
-        self.driver = driver
+                 transport: str, lr: Any = None) -> None:
+        session = QuantSession(QuantCodec(error_feedback=error_feedback, seed=seed), driver,
+                               transport_setting=transport, lr=lr)
+        super().__init__(session, min_compress_numel=min_compress_numel)
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)
         self.transport = transport
-
-    @property
-    def _residuals(self) -> dict[str, torch.Tensor]:
-        return self.codec.memory._residuals
-
-    def _begin_step(self) -> None:
-        self.driver.begin_step(self.comm.size())
-
-    def _count(self, sent: int, dense: int) -> None:
-        self.driver.count(sent, dense)
-
-    def _compress_float(self, tensor: torch.Tensor, key: str) -> tuple[torch.Tensor, Any]:
-        self.driver.add_tensor(tensor.numel())
-        payload, ctx, sent = self.codec.encode(key, tensor, self.driver.bits, self.driver.step, self.comm)
-        self.driver.count(sent, 0)
-        return payload, ctx
-
-    def _decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        out, (one, sq) = self.codec.decode(tensor, ctx, self.comm)
-        if not math.isfinite(sq):
-            self._step_keys[ctx.key] = True  # the codec reset its residual
-        self.driver.add_reduced_sq(one, sq, self.comm.size())
-        return out
-
-    def _mark_nonfinite(self) -> None:
-        self.driver.mark_nonfinite()
-
-    def _step_nonfinite(self) -> bool:
-        return self.driver.step_nonfinite
-
-    def reset(self) -> None:
-        """Forget the step in flight (elastic reset); policy state stays."""
-        super().reset()
-        self.driver.reset()
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank, with the bits of the step in flight; flat (`policy/...`)."""
-        self._between_steps()
-        return self.driver.stats()
-
-    def close_tensorboard(self) -> None:
-        """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
-        self.driver.close_tensorboard()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Policy (with its calibrated budget), step counter, residuals."""
-        self._between_steps()
-        return {**self.driver.state_dict(), "residuals": self.codec.memory.state()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`: validated first (ValueError, nothing changed), then applied."""
-        residuals = state.get("residuals", {}) if isinstance(state, Mapping) else {}
-        self.codec.memory.validate(residuals)
-        self.driver.load_state_dict(state)
-        self.codec.memory.load(residuals)
-        TorchHookBase.reset(self)
 
 
 class QSGDCompression(_QuantizedCompression):
@@ -130,19 +73,4 @@ class DqsgdCompression(_QuantizedCompression):
         self.total_steps, self.lr, self.target_bits = total_steps, lr, target_bits
         super().__init__(QuantStepDriver(bits=target_bits, dqsgd=settings, tensorboard=tensorboard, rank=hvd.rank),
                          error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
-                         transport=transport)
-
-    @property
-    def policy(self) -> Any:
-        return self.driver.policy
-
-    def _optimizer_seen(self, opt: Any) -> None:
-        self.driver.lr = lr_at(self.lr, self.driver.step, lambda: _optimizer_lr(opt))
-
-
-def _optimizer_lr(opt: Any) -> float:
-    groups = getattr(opt, "param_groups", None)
-    if not groups:
-        raise RuntimeError("DQ-SGD needs the learning rate: pass lr= (a number or a callable step -> lr) "
-                           "when the compression is not used by hvd.DistributedOptimizer")
-    return float(groups[0]["lr"])
+                         transport=transport, lr=lr)

@@ -39,7 +39,7 @@ def job_exact(steps: int) -> dict:
 
     def recording_hook(state, bucket):  # each bucket's gradient and residual before the codec runs
         key = engine.layouts.key(bucket.index(), bucket.parameters(), bucket.buffer())
-        res = engine.codec.memory.get(key)
+        res = engine.session.codec.memory.get(key)
         seen[bucket.index()] = {"key": key, "g": bucket.buffer().clone(),
                                 "before": None if res is None else res.clone()}
         return adaptive_hook(state, bucket)
@@ -50,7 +50,7 @@ def job_exact(steps: int) -> dict:
         seen.clear()
         _backward(d, step)
         for _, s in sorted(seen.items()):
-            after = engine.codec.memory.get(s["key"])
+            after = engine.session.codec.memory.get(s["key"])
             if after is None or s["g"].numel() < 1024:
                 continue
             compressed += 1
@@ -65,7 +65,7 @@ def job_exact(steps: int) -> dict:
             dist.all_gather(masks, (sent_at & (acc != 0)).to(torch.int32))
             same &= int((sum(masks) > 0).sum()) <= -(-acc.numel() // 200)
             # the bucket's averaged gradient as DDP hands it back: the codec's reused output for this key
-            out = engine.codec._outputs[s["key"]]
+            out = engine.session.codec._outputs[s["key"]]
             worst = max(worst, float((total / dist.get_world_size() - out).abs().max() / total.abs().max()))
     return {"worst": worst, "exact": exact, "same": same, "compressed": compressed,
             "transport": st.stats()["transport"]}

@@ -43,10 +43,10 @@ def exact_job(steps):
     p, opt = _param_opt(comp)
     worst_avg, residual_exact, same_set, set_sizes = 0.0, True, True, set()
     for step in range(steps):
-        before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
+        before = comp.codec.memory._residuals["w"].clone() if "w" in comp.codec.memory._residuals else torch.zeros(N)
         g = _rank_grad(step)
         out = _step(p, opt, g)
-        after = comp._residuals["w"]
+        after = comp.codec.memory._residuals["w"]
         acc = g + before
         sent_at = after == 0  # acc is non-zero everywhere (continuous): zeros are exactly the set
         residual_exact &= bool(torch.equal(after[~sent_at], acc[~sent_at]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_calls import sparse_encode
 
 from crossover.compression import agreed
 from crossover.compression import cost_model as cm
@@ -33,7 +34,7 @@ def _grads(world: int, step: int, n: int) -> list[torch.Tensor]:
 
 def _exchange(codecs, group, grads, plan, op="average", key="w"):
     world = len(codecs)
-    enc = [c.encode(key, g, plan, 0.01, group.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, grads))]
+    enc = [sparse_encode(c, key, g, plan, 0.01, group.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, grads))]
     total = torch.stack([e[0] for e in enc]).sum(0)
     reduced = total / world if op == "average" else total
     out = [c.decode(reduced.clone(), e[1], group.rank_view(r))[0].clone() for r, (c, e) in enumerate(zip(codecs, enc))]
@@ -108,7 +109,8 @@ def test_ranks_that_disagree_on_the_set_fail_on_every_rank():
     _exchange(codecs, group, _grads(world, 1, n), _Plan(1, 200.0))
     codecs[2].forget_agreed()  # one rank lost its state (a reset on that rank only)
     grads = _grads(world, 2, n)
-    enc = [c.encode("w", g, _Plan(2, 200.0), 0.0, group.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, grads))]
+    enc = [sparse_encode(c, "w", g, _Plan(2, 200.0), 0.0, group.rank_view(r))
+           for r, (c, g) in enumerate(zip(codecs, grads))]
     reduced = torch.stack([e[0] for e in enc]).mean(0)
     for r, c in enumerate(codecs):
         with pytest.raises(RuntimeError, match="different agreed index sets"):
@@ -179,7 +181,8 @@ def test_the_cost_model_counts_what_the_codec_hands_over(kind, world):
     group = SimulatedGroup(world)
     codecs = [SparseCodec("topk", fixed_gather=True) for _ in range(world)]
     nstats = SparseStatsLayout(1).length
-    enc = [c.encode("w", torch.randn(n), _Plan(1, cf, kind), 0.0, group.rank_view(r)) for r, c in enumerate(codecs)]
+    enc = [sparse_encode(c, "w", torch.randn(n), _Plan(1, cf, kind), 0.0, group.rank_view(r))
+           for r, c in enumerate(codecs)]
     payload, _, sent = enc[0]
     gathered = sent - 4 * payload.numel()
     if kind == cm.AGREED:
@@ -200,10 +203,10 @@ def test_random_k_and_plans_without_agreed_keep_their_transport():
     group = SimulatedGroup(world)
     codecs = [SparseCodec("randomk") for _ in range(world)]
     enc, _ = _exchange(codecs, group, _grads(world, 1, n), _Plan(1, 20.0))
-    assert enc[0][1].kind == "ar"  # shared indices: their own allreduce
+    assert enc[0][1].kind == "allreduce"  # shared indices: their own allreduce
     codecs = [SparseCodec("topk") for _ in range(world)]
     enc, _ = _exchange(codecs, group, _grads(world, 1, n), _Plan(1, 20.0, None))
-    assert enc[0][1].kind == "ag"
+    assert enc[0][1].kind == "allgather"
 
 
 def test_agreed_sets_round_trip_through_a_checkpoint_and_bad_ones_are_refused():
@@ -255,9 +258,9 @@ def test_agreed_statistics_carry_the_momentum_like_the_allgather(transport):
     codecs = [SparseCodec("topk") for _ in range(world)]
     layout = SparseStatsLayout(1)
     grads = _grads(world, 1, n)
-    enc = [c.encode("w", g, _Plan(1, cf, transport), 0.01, group.rank_view(r), momentum=0.9)
+    enc = [sparse_encode(c, "w", g, _Plan(1, cf, transport), 0.01, group.rank_view(r), momentum=0.9)
            for r, (c, g) in enumerate(zip(codecs, grads))]
-    assert {e[1].kind for e in enc} == {"agreed" if transport == cm.AGREED else "ag"}
+    assert {e[1].kind for e in enc} == {"agreed" if transport == cm.AGREED else "allgather"}
     assert all(e[1].nstats == layout.length for e in enc)
     if transport == cm.AGREED:
         total = torch.stack([e[0] for e in enc]).sum(0) / world

@@ -149,7 +149,7 @@ def error_feedback_job(steps):
         g = _rank_grad(step)
         grads += g.double()
         received += _grad_step(p, opt, g).double()
-    residual = next(iter(comp._residuals.values())).double()
+    residual = next(iter(comp.codec.memory._residuals.values())).double()
     return {"received": received.tolist(), "grads": grads.tolist(), "residual": residual.tolist()}
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from crossover import AdaptiveCompression, StaticCompression
-from crossover.compression.cost_model import ALLGATHER, ALLREDUCE, DENSE, choose_transport
+from crossover.compression.cost_model import ALLGATHER, ALLREDUCE, DENSE
+from crossover.driver.transport import choose_transport
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from codec_calls import quant_encode, sparse_encode
 
 from crossover.compression import kernels as K
 from crossover.compression import quantize as Q
@@ -73,7 +74,7 @@ def _run_sparse(device: str, compressor: str, ef: bool, numel: int = 300_007, wo
     for step, (cf, probes) in enumerate(SPARSE_PLANS, 1):
         rec = StepRecord(step=step, sent_cf=cf, probes=probes)
         grads = _grads(step, world, numel)
-        enc = [codecs[r].encode("w", grads[r].to(device), rec, 0.25, grp.rank_view(r)) for r in range(world)]
+        enc = [sparse_encode(codecs[r], "w", grads[r].to(device), rec, 0.25, grp.rank_view(r)) for r in range(world)]
         reduced = sum(p for p, _, _ in enc) / world  # the host's Average
         for r in range(world):
             payload, ctx, sent = enc[r]
@@ -106,11 +107,12 @@ def test_sparse_codec_cuda_equals_cpu(gpu_impl, compressor, ef):
 
 def _run_quant(device: str, bits: int, ef: bool, transport: str, numel: int = 300_007, world: int = 2) -> list[dict]:
     grp = SimulatedGroup(world)
-    codecs = [QuantCodec(error_feedback=ef, seed=3, transport=transport) for _ in range(world)]
+    codecs = [QuantCodec(error_feedback=ef, seed=3) for _ in range(world)]
     out = []
     for step in range(1, 4):
         grads = _grads(step, world, numel)
-        enc = [codecs[r].encode("w", grads[r].to(device), bits, step, grp.rank_view(r)) for r in range(world)]
+        enc = [quant_encode(codecs[r], "w", grads[r].to(device), bits, step, grp.rank_view(r), transport)
+               for r in range(world)]
         reduced = sum(p for p, _, _ in enc) / world
         for r in range(world):
             payload, ctx, sent = enc[r]
@@ -129,7 +131,7 @@ def test_quant_codec_cuda_equals_cpu(gpu_impl, bits, ef, transport):
     for i, (c, g) in enumerate(zip(cpu, gpu)):
         where = f"bits {bits} {transport} step/rank {i}"
         assert (c["kind"], c["sent"]) == (g["kind"], g["sent"]), where
-        if c["kind"] == "ar":  # fp16 values, then the statistics
+        if c["kind"] == "allreduce":  # fp16 values, then the statistics
             assert torch.equal(c["payload"][:-2], g["payload"][:-2]), where
         assert _bits_equal(c["out"], g["out"]), where
         assert torch.allclose(c["stats"], g["stats"], rtol=STATS_RTOL), where

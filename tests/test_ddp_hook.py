@@ -486,7 +486,9 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
     """SparseCodec(fixed_gather=True), as the hook uses it on Gloo: every rank's allgather carries exactly
     k pairs (overshoot back to the residual, shortfall padded), and error feedback still conserves the
     gradient: decoded average + mean residual == mean gradient."""
-    from crossover.compression import transport
+    from codec_calls import sparse_encode
+
+    from crossover.compression import payloads
     from crossover.compression.collectives import SimulatedGroup
     from crossover.compression.selectors import k_for
     from crossover.compression.sparse_codec import SparseCodec
@@ -500,10 +502,10 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
         sent_total = torch.zeros(numel)
         for step in range(1, 4):
             rec = StepRecord(step=step, sent_cf=cf, probes=(cf,))
-            enc = [codecs[r].encode("b0", grads[r], rec, 0.0, grp.rank_view(r)) for r in range(world)]
+            enc = [sparse_encode(codecs[r], "b0", grads[r], rec, 0.0, grp.rank_view(r)) for r in range(world)]
             for _, ctx, sent in enc:
                 # exactly k (index, value) pairs, after the segment header (shape check)
-                assert sent == 8 * (k_for(numel, cf) + transport.HEADER_ROWS) + 4 * ctx.nstats
+                assert sent == 8 * (k_for(numel, cf) + payloads.HEADER_ROWS) + 4 * ctx.nstats
             reduced = sum(p / world for p, _, _ in enc)  # the host's average of the statistics payloads
             outs = [codecs[r].decode(reduced.clone(), enc[r][1], grp.rank_view(r))[0].clone() for r in range(world)]
             assert torch.equal(outs[0], outs[1])

@@ -20,6 +20,7 @@ from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.compression.wire import SparseStatsLayout, normalize_reduced, shared_seed
 from crossover.driver import GradientKeys, QuantStepDriver, SparseStepDriver, dqsgd_settings
+from crossover.driver.session import SparseSession
 
 
 class SimRank:
@@ -27,8 +28,11 @@ class SimRank:
 
     def __init__(self, group: SimulatedGroup, rank: int, policy, compressor: str = "topk", seed: int = 0) -> None:
         self.comm = group.rank_view(rank)
-        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed)
-        self.codec = SparseCodec(compressor, error_feedback=True, seed=seed, grad_norms=True)
+        self.now = 0.0
+        self.session = SparseSession(SparseCodec(compressor, error_feedback=True, seed=seed, grad_norms=True),
+                                     SparseStepDriver(policy, compressor=compressor, seed=seed), momentum=0.0,
+                                     unknown_momentum=0.0, clock=lambda: self.now)
+        self.driver, self.codec = self.session.driver, self.session.codec
 
 
 def _step(ranks: list[SimRank], grads: list[dict[str, torch.Tensor]], op: str = "average",
@@ -36,18 +40,17 @@ def _step(ranks: list[SimRank], grads: list[dict[str, torch.Tensor]], op: str = 
     """One training step of every rank; returns each rank's decoded (averaged) gradients."""
     world = len(ranks)
     for r in ranks:
-        r.driver.begin_step(t)
+        r.now = t
+        r.session.begin_step(r.comm)
     encoded = []
     for r, g in zip(ranks, grads):
         out = {}
         for key, tensor in g.items():
-            if r.driver.skips_all():  # as the hosts do: the tensor goes through untouched
-                r.driver.count(tensor.numel() * 4, tensor.numel() * 4)
+            if r.session.skips_all():  # as the hosts do: the tensor goes through untouched
+                r.session.count(tensor.numel() * 4, tensor.numel() * 4)
                 out[key] = (tensor, None)
                 continue
-            payload, ctx, sent = r.codec.encode(key, tensor, r.driver.current, r.driver.last_step_time, r.comm)
-            r.driver.count(sent, tensor.numel() * 4)
-            out[key] = (payload, ctx)
+            out[key] = r.session.encode(key, tensor, r.comm)
         encoded.append(out)
     results = []
     for r, enc in zip(ranks, encoded):
@@ -58,9 +61,7 @@ def _step(ranks: list[SimRank], grads: list[dict[str, torch.Tensor]], op: str = 
             if ctx is None:
                 dec[key] = reduced.clone()
                 continue
-            grad, stats = r.codec.decode(reduced.clone(), ctx, r.comm)
-            r.driver.add_reduced(stats.tolist(), world)
-            dec[key] = grad.clone()
+            dec[key] = r.session.decode(reduced.clone(), ctx, r.comm).clone()
         results.append(dec)
     return results
 
@@ -236,9 +237,9 @@ def test_quant_codec_averages_unbiased(transport):
     trials, mean = 40, torch.zeros(n)
     for step in range(trials):
         group = SimulatedGroup(world)
-        codecs = [QuantCodec(seed=step, transport=transport) for _ in range(world)]
+        codecs = [QuantCodec(seed=step) for _ in range(world)]
         views = [group.rank_view(r) for r in range(world)]
-        enc = [c.encode("w", g, bits, step, v) for c, g, v in zip(codecs, grads, views)]
+        enc = [c.encode("w", g, bits, step, v, transport) for c, g, v in zip(codecs, grads, views)]
         reduced = sum(e[0].float() for e in enc) / world
         if transport == "allreduce":
             reduced = reduced.half()

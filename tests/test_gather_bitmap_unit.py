@@ -1,4 +1,4 @@
-"""The allgather's bitmap wire format (transport.send_allgather / receive, cost_model.gather_bitmap), simulated ranks.
+"""The allgather's bitmap wire format (payloads.send_allgather / receive, cost_model.gather_bitmap), simulated ranks.
 
 Where a rank's k selected entries are dense enough (about CF < 32), they travel as a bitmap of the tensor and the
 values in index order instead of (index, value) pairs. The real multi-rank jobs that cover it are the Horovod and
@@ -11,8 +11,9 @@ import math
 
 import pytest
 import torch
+from codec_calls import sparse_encode
 
-from crossover.compression import cost_model, transport
+from crossover.compression import cost_model, payloads
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.selectors import Selection
 from crossover.compression.sparse_codec import SparseCodec
@@ -45,7 +46,7 @@ def _run(world: int, n: int, cf: float, bitmap: bool, steps: int = 3) -> tuple[l
     for step in range(steps):
         grads = [torch.randn(n, generator=gen) * (1 + 5 * r) for r in range(world)]  # ranks differ on purpose
         before = [c.memory._residuals.get("w", torch.zeros(n)).clone() for c in codecs]
-        enc = [c.encode("w", grads[r].clone(), _Plan(step, cf), 0.01, group.rank_view(r))
+        enc = [sparse_encode(c, "w", grads[r].clone(), _Plan(step, cf), 0.01, group.rank_view(r))
                for r, c in enumerate(codecs)]
         reduced = sum(e[0] for e in enc) / world
         outs.append([c.decode(reduced.clone(), enc[r][1], group.rank_view(r))[0].clone()
@@ -75,16 +76,16 @@ def test_bitmaps_send_fewer_bytes() -> None:
         group = SimulatedGroup(2)  # rank 0 encodes only: nothing waits for rank 1
         codec = SparseCodec("topk", fixed_gather=True)
         codec.gather_bitmap = bitmap
-        sent[bitmap] = codec.encode("w", torch.randn(n), _Plan(0, 10), 0.01, group.rank_view(0))[2]
+        sent[bitmap] = sparse_encode(codec, "w", torch.randn(n), _Plan(0, 10), 0.01, group.rank_view(0))[2]
     assert sent[True] < 0.7 * sent[False]
 
 
-def _packed(sel: Selection, n: int, k: int, bitmap: bool) -> tuple[torch.Tensor, transport.SparseCtx, SimulatedGroup]:
+def _packed(sel: Selection, n: int, k: int, bitmap: bool) -> tuple[torch.Tensor, payloads.SparseCtx, SimulatedGroup]:
     group = SimulatedGroup(1)
-    rows = transport.gather_rows(k, n, bitmap)
-    packed = torch.empty((rows + transport.HEADER_ROWS, 2), dtype=torch.int32)
-    transport.send_allgather(sel, torch.ones(1), group.rank_view(0), "w", packed, (n,), bitmap)
-    ctx = transport.SparseCtx(kind=transport.GATHER, key="w", shape=torch.Size((n,)), numel=n, nstats=1, k=k,
+    rows = payloads.gather_rows(k, n, bitmap)
+    packed = torch.empty((rows + payloads.HEADER_ROWS, 2), dtype=torch.int32)
+    payloads.send_allgather(sel, torch.ones(1), group.rank_view(0), "w", packed, (n,), bitmap)
+    ctx = payloads.SparseCtx(kind=payloads.ALLGATHER, key="w", shape=torch.Size((n,)), numel=n, nstats=1, k=k,
                               bitmap=bitmap)
     return packed, ctx, group
 
@@ -94,7 +95,7 @@ def test_values_follow_their_indices_in_any_order() -> None:
     sel = Selection(idx=torch.tensor([600, 5, 9], dtype=torch.int32), val=torch.tensor([1.0, 2.0, 3.0]),
                     sumsq_sel=0.0, sumsq_acc=0.0)
     packed, ctx, group = _packed(sel, n, k, True)
-    out = transport.receive(torch.ones(1), _with(ctx, group, packed), group.rank_view(0), torch.empty(n))
+    out = payloads.receive(torch.ones(1), _with(ctx, group, packed), group.rank_view(0), torch.empty(n))
     want = torch.zeros(n)
     want[600], want[5], want[9] = 1.0, 2.0, 3.0
     assert torch.equal(out, want)
@@ -107,7 +108,7 @@ def test_a_repeated_index_adds_up_as_with_pairs() -> None:
     sel = Selection(idx=idx, val=val, sumsq_sel=0.0, sumsq_acc=0.0)
     packed, ctx, group = _packed(sel, n, k, True)
     ctx.handle = group.rank_view(0).allgather_async(packed, "w2")
-    out = transport.receive(torch.ones(1), ctx, group.rank_view(0), torch.empty(n))
+    out = payloads.receive(torch.ones(1), ctx, group.rank_view(0), torch.empty(n))
     want = torch.zeros(n)
     want[5], want[9], want[600] = 4.0, 2.0, -4.0
     assert torch.equal(out, want)
@@ -119,19 +120,19 @@ def test_garbled_bitmaps_and_mixed_formats_raise() -> None:
                     sumsq_acc=0.0)
     packed, ctx, group = _packed(sel, n, k, True)
     bad = packed.clone()
-    bad[transport.HEADER_ROWS + 1, 1] = -1  # bits beyond the tensor's 100 elements
+    bad[payloads.HEADER_ROWS + 1, 1] = -1  # bits beyond the tensor's 100 elements
     with pytest.raises(RuntimeError, match="beyond the tensor"):
-        transport.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
+        payloads.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
     bad = packed.clone()
-    bad[transport.HEADER_ROWS, :] = -1  # 64 marks, 20 values
-    bad[transport.HEADER_ROWS + 1, :] = 0
+    bad[payloads.HEADER_ROWS, :] = -1  # 64 marks, 20 values
+    bad[payloads.HEADER_ROWS + 1, :] = 0
     with pytest.raises(RuntimeError, match="more elements than"):
-        transport.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
+        payloads.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
     pairs, pctx, _ = _packed(sel, n, k, False)
     with pytest.raises(RuntimeError, match="another wire format"):
-        transport.receive(torch.ones(1), _with(ctx, group, pairs), group.rank_view(0), torch.empty(n))
+        payloads.receive(torch.ones(1), _with(ctx, group, pairs), group.rank_view(0), torch.empty(n))
 
 
-def _with(ctx: transport.SparseCtx, group: SimulatedGroup, payload: torch.Tensor) -> transport.SparseCtx:
+def _with(ctx: payloads.SparseCtx, group: SimulatedGroup, payload: torch.Tensor) -> payloads.SparseCtx:
     ctx.handle = group.rank_view(0).allgather_async(payload, f"w.{id(payload)}")
     return ctx

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_calls import sparse_encode
 
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.grouped import FIRST_GROUP_BYTES, GroupedCollectives
@@ -159,7 +160,7 @@ def test_dense_payload_is_the_gradient_when_statistics_go_apart(residual_held):
         g = grad.clone()
         if residual_held:  # the first dense step after compressed ones sends the residual along, once
             codec.memory.residual("w", g).fill_(0.5)
-        payload, ctx, sent = codec.encode("w", g, _Plan(), 0.1, comm)
+        payload, ctx, sent = sparse_encode(codec, "w", g, _Plan(), 0.1, comm)
         assert sent == (1000 + SparseStatsLayout(0).length) * 4
         if apart:
             assert payload.data_ptr() == g.data_ptr() and payload.numel() == 1000

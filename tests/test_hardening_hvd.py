@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from codec_calls import quant_encode, sparse_encode
 from hvd_harness import run_function
 
 STEPS = 30
@@ -89,7 +90,7 @@ def _train(kind: str, scaler_scale: float | None, poison: dict) -> dict:
     if kind != "none":
         st = comp.stats()
         out["stats"] = {k: st.get(k) for k in ("step", "nonfinite_steps", "saturated_steps")}
-        out["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in comp._residuals.values())
+        out["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in comp.codec.memory._residuals.values())
         out["observed"] = st.get("policy/step")
         out["gains_finite"] = all(math.isfinite(g) for k, g in st.items() if k.startswith("policy/gains/")
                                   and g is not None)
@@ -487,10 +488,10 @@ def test_quant_codec_survives_a_nonfinite_gradient(transport):
     from crossover.compression.quant_codec import QuantCodec
 
     grp = SimulatedGroup(2)
-    codecs = [QuantCodec(error_feedback=True, transport=transport) for _ in range(2)]
+    codecs = [QuantCodec(error_feedback=True) for _ in range(2)]
     gs = [torch.randn(5000), torch.randn(5000)]
     gs[1][3] = float("inf")
-    enc = [c.encode("w", g, 4, 1, grp.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, gs))]
+    enc = [quant_encode(c, "w", g, 4, 1, grp.rank_view(r), transport) for r, (c, g) in enumerate(zip(codecs, gs))]
     reduced = (enc[0][0].float() + enc[1][0].float()) / 2
     for r, c in enumerate(codecs):
         out, (_, sq) = c.decode(reduced.to(enc[r][0].dtype).clone(), enc[r][1], grp.rank_view(r))
@@ -516,7 +517,7 @@ def test_sparse_codec_restores_residuals_of_a_nonfinite_step():
         before = [c.memory._residuals.get("w", torch.zeros(50000)).clone() for c in codecs]
         for d in drivers:
             d.begin_step(float(step))
-        enc = [c.encode("w", g, d.current, 0.0, grp.rank_view(r))
+        enc = [sparse_encode(c, "w", g, d.current, 0.0, grp.rank_view(r))
                for r, (c, g, d) in enumerate(zip(codecs, gs, drivers))]
         reduced = (enc[0][0] + enc[1][0]) / 2
         for r, c in enumerate(codecs):
@@ -713,7 +714,7 @@ def _train_small_poison(kind: str) -> dict:
             skipped.append(step)
         if step == SMALL_POISON_STEP:
             st = comp.stats()  # between steps: the step is settled here
-            zeroed = bool((comp._residuals["0.weight"] == 0).all())
+            zeroed = bool((comp.codec.memory._residuals["0.weight"] == 0).all())
             nonfinite_then = st["nonfinite_steps"]
     st = comp.stats()
     return {"skipped": skipped, "nonfinite_steps": st["nonfinite_steps"], "nonfinite_then": nonfinite_then,

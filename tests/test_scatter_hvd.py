@@ -31,7 +31,7 @@ def _rank_grad(step: int) -> torch.Tensor:
 
 def _step(comp, p: torch.nn.Parameter, opt, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of this rank's gradient: (gradient, residual before, averaged gradient decoded)."""
-    before = comp._residuals["w"].clone() if "w" in comp._residuals else torch.zeros(N)
+    before = comp.codec.memory._residuals["w"].clone() if "w" in comp.codec.memory._residuals else torch.zeros(N)
     g = _rank_grad(step)
     opt.zero_grad()
     (p * g).sum().backward()
@@ -53,7 +53,7 @@ def scatter_job(steps: int, cf: float) -> dict:
         every = hvd.allgather(got.unsqueeze(0), name="test.out")
         out["same"] &= bool(torch.equal(torch.nan_to_num(every, 7.0), torch.nan_to_num(every[0:1].expand_as(every),
                                                                                           7.0)))
-        after = comp._residuals["w"]
+        after = comp.codec.memory._residuals["w"]
         if step == POISON_STEP:
             out["nan_step"] = bool(got.isnan().all())
             finite = bool(torch.isfinite(g).all())
@@ -141,7 +141,7 @@ def process_set_job(steps: int) -> dict:
         g, before, got = _step(comp, p, opt, step)
         every = hvd.allgather(got.unsqueeze(0), name="test.ps.out", process_set=ps)
         same &= bool(torch.equal(every, every[0:1].expand_as(every)))
-        applied = hvd.allgather(((g + before) - comp._residuals["w"]).unsqueeze(0), name="test.ps.applied",
+        applied = hvd.allgather(((g + before) - comp.codec.memory._residuals["w"]).unsqueeze(0), name="test.ps.applied",
                                 process_set=ps)
         worst = max(worst, float((applied.mean(0) - got).abs().max() / applied.abs().max()))
     out = {"excluded": False, "same": same, "worst_avg": worst, "transport": comp.stats()["transport"],
@@ -172,8 +172,8 @@ def two_tensor_job(steps: int) -> dict:
                                    compression=comp)
     worst, same = 0.0, True
     for step in range(steps):
-        before = {n: comp._residuals[n].clone() if n in comp._residuals else torch.zeros(p.numel())
-                  for n, p in (("w", w), ("v", v))}
+        res = comp.codec.memory._residuals
+        before = {n: res[n].clone() if n in res else torch.zeros(p.numel()) for n, p in (("w", w), ("v", v))}
         gw = _rank_grad(step)
         gv = gw[:30_000].flip(0) * 3
         opt.zero_grad()
@@ -183,7 +183,7 @@ def two_tensor_job(steps: int) -> dict:
             got = p.grad.detach().clone()
             every = hvd.allgather(got.unsqueeze(0), name=f"test.two.{name}")
             same &= bool(torch.equal(every, every[0:1].expand_as(every)))
-            applied = hvd.allgather(((g + before[name]) - comp._residuals[name]).unsqueeze(0),
+            applied = hvd.allgather(((g + before[name]) - comp.codec.memory._residuals[name]).unsqueeze(0),
                                     name=f"test.two.applied.{name}")
             worst = max(worst, float((applied.mean(0) - got).abs().max() / applied.abs().max()))
     return {"same": same, "worst_avg": worst, "transport": comp.stats()["transport"]}

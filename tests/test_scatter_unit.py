@@ -7,10 +7,12 @@ import threading
 
 import pytest
 import torch
+from codec_calls import sparse_encode
 
 from crossover.compression import cost_model, scatter
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.sparse_codec import SparseCodec
+from crossover.driver.transport import choose_transport
 
 
 def test_route_orders_pairs_by_owner():
@@ -106,13 +108,13 @@ def test_cost_model_scatter_is_flat_in_workers():
     assert b[1024] < 2.05 * b[2]  # ceil(k / W) per owner rounds up
     gather = cost_model.transport_cost(cost_model.ALLGATHER, n, k, 8).bytes
     assert b[8] < gather / 3
-    assert cost_model.choose_transport(n, k, 8, False, cost_model.SCATTER) == cost_model.SCATTER
-    assert cost_model.choose_transport(n, k, 1, False, cost_model.SCATTER) != cost_model.SCATTER  # one rank
+    assert choose_transport(n, k, 8, False, cost_model.SCATTER) == cost_model.SCATTER
+    assert choose_transport(n, k, 1, False, cost_model.SCATTER) != cost_model.SCATTER  # one rank
     # two ranks: the allgather's bytes in one collective instead of two
-    assert cost_model.choose_transport(n, k, 2, False, cost_model.SCATTER) == cost_model.ALLGATHER
-    assert cost_model.choose_transport(n, 990_000, 8, False, cost_model.SCATTER) == cost_model.DENSE
+    assert choose_transport(n, k, 2, False, cost_model.SCATTER) == cost_model.ALLGATHER
+    assert choose_transport(n, 990_000, 8, False, cost_model.SCATTER) == cost_model.DENSE
     with pytest.raises(ValueError):
-        cost_model.choose_transport(n, k, 8, False, "nope")
+        choose_transport(n, k, 8, False, "nope")
 
 
 class _Plan:
@@ -130,7 +132,7 @@ def test_simulated_ranks_decode_the_same_exact_average(world, cf):
         grads = [torch.randn(n, generator=gen) * (1 + 10 * r) for r in range(world)]
         grads[0][:600] *= 50  # a hot stretch: spread over every owner by the strided ownership
         before = [c.memory._residuals.get("w", torch.zeros(n)).clone() for c in codecs]
-        enc = [c.encode("w", grads[r].clone(), _Plan(step, cf, cost_model.SCATTER), 0.01, group.rank_view(r))
+        enc = [sparse_encode(c, "w", grads[r].clone(), _Plan(step, cf, cost_model.SCATTER), 0.01, group.rank_view(r))
                for r, c in enumerate(codecs)]
         assert {e[1].kind for e in enc} == {"scatter"}
         reduced = sum(e[0] for e in enc) / world
@@ -160,7 +162,7 @@ def test_a_host_without_alltoall_is_told_at_once():
             return 0
 
     with pytest.raises(RuntimeError, match="alltoall"):
-        SparseCodec("topk").encode("w", torch.randn(5000), _Plan(1, 20, cost_model.SCATTER), 0.0, NoAlltoall())
+        sparse_encode(SparseCodec("topk"), "w", torch.randn(5000), _Plan(1, 20, cost_model.SCATTER), 0.0, NoAlltoall())
 
 
 def test_the_ddp_hook_refuses_scatter_at_construction():

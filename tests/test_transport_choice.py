@@ -1,4 +1,4 @@
-"""The transport choice (crossover/adaptive/gravac/transport_choice.py) alone, then inside the step driver with
+"""The transport choice (crossover/driver/transport.py) alone, then inside the step driver with
 simulated ranks whose gradients differ on purpose: every rank decides the same transports."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 from test_agreed_transport import _grads  # gradients that differ per rank on purpose
 
 from crossover.adaptive.gravac import GravacPolicy
-from crossover.adaptive.gravac.transport_choice import CfState, TransportChoice
-from crossover.adaptive.gravac.tunables import TRANSPORT_SKIP, TRANSPORT_WINDOW
 from crossover.adaptive.static import StaticPolicy
 from crossover.compression import cost_model as cm
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import SparseStepDriver
+from crossover.driver.session import SparseSession
+from crossover.driver.transport import TRANSPORT_SKIP, TRANSPORT_WINDOW, CfState, TransportChoice
 
 AG, GA = cm.AGREED, cm.ALLGATHER
 SETTLED = CfState(settled=True, held_cf=100.0, searches=1)
@@ -112,9 +112,12 @@ class _Rank:
     def __init__(self, group: SimulatedGroup, rank: int, transport: str | None) -> None:
         self.comm = group.rank_view(rank)
         policy = GravacPolicy(cf_min=10.0, cf_max=100.0, window=4, omega=0.1)
-        self.driver = SparseStepDriver(policy, compressor="topk", seed=0, transport=transport)
-        self.driver.collect_costs = True  # the simulated step times below read every step's predicted bytes
-        self.codec = SparseCodec("topk", seed=0, grad_norms=True)
+        driver = SparseStepDriver(policy, compressor="topk", seed=0, transport=transport)
+        driver.collect_costs = True  # the simulated step times below read every step's predicted bytes
+        self.now = 0.0
+        self.session = SparseSession(SparseCodec("topk", seed=0, grad_norms=True), driver, momentum=0.0,
+                                     unknown_momentum=0.0, clock=lambda: self.now)
+        self.driver, self.codec = driver, self.session.codec
 
 
 
@@ -127,15 +130,14 @@ def _run(world: int, steps: int, transport: str | None, step_time) -> tuple[list
     clock, seen = 0.0, []
     for step in range(steps):
         for r in ranks:
-            r.driver.begin_step(clock)
+            r.now = clock
+            r.session.begin_step(r.comm)
         grads = _grads(world, step, 30_000)
-        enc = [r.codec.encode("w", g, r.driver.current, r.driver.last_step_time, r.comm) for r, g in zip(ranks, grads)]
+        enc = [r.session.encode("w", g, r.comm) for r, g in zip(ranks, grads)]
         reduced = torch.stack([e[0] for e in enc]).mean(0)
         outs = []
         for r, e in zip(ranks, enc):
-            out, stats = r.codec.decode(reduced.clone(), e[1], r.comm)
-            r.driver.add_reduced(stats.tolist(), world)
-            outs.append(out.clone())
+            outs.append(r.session.decode(reduced.clone(), e[1], r.comm).clone())
         assert all(torch.equal(o, outs[0]) for o in outs)
         seen.append([(r.driver.current.sent_cf, r.driver.current.transport, e[1].kind) for r, e in zip(ranks, enc)])
         rec = ranks[0].driver.current
@@ -153,7 +155,7 @@ def test_every_rank_decides_the_same_transport_with_different_gradients():
     for step, per_rank in enumerate(seen):
         assert len(set(per_rank)) == 1, f"step {step}: ranks disagree {per_rank}"
     kinds = [p[0][2] for p in seen]
-    assert "agreed" in kinds and "ag" in kinds and kinds[-1] == "ag", kinds[::5]
+    assert "agreed" in kinds and GA in kinds and kinds[-1] == GA, kinds[::5]
     states = {json.dumps(r.driver.state_dict()["transport"], sort_keys=True) for r in ranks}
     assert len(states) == 1
     assert ranks[0].driver.stats()["transport"] == cm.ALLGATHER
@@ -164,7 +166,7 @@ def test_fixed_transports_and_none():
     seen, _ = _run(2, 30, "agreed", lambda nbytes, kind: 0.05 + 1e-6 * nbytes)
     assert {p[0][2] for p in seen if p[0][0] > 1} == {"agreed"}
     seen, _ = _run(2, 30, None, lambda nbytes, kind: 0.05 + 1e-6 * nbytes)
-    assert {p[0][2] for p in seen if p[0][0] > 1} == {"ag"}
+    assert {p[0][2] for p in seen if p[0][0] > 1} == {GA}
     with pytest.raises(ValueError, match="transport must be one of"):
         SparseStepDriver(GravacPolicy(), compressor="topk", seed=0, transport="pigeon")
 
@@ -233,9 +235,9 @@ def test_only_the_transport_choice_makes_the_codec_price_transports(transport):
     where something reads them: transport="auto", or a driver told to collect them (benchmarks)."""
     group = SimulatedGroup(1)
     drv = SparseStepDriver(StaticPolicy(cf=10.0), compressor="topk", seed=0, transport=transport)
-    codec = SparseCodec("topk")
-    drv.begin_step(0.0)
-    codec.encode("w", torch.randn(30_000), drv.current, 0.0, group.rank_view(0))
+    session = SparseSession(SparseCodec("topk"), drv, momentum=0.0, unknown_momentum=0.0, clock=lambda: 0.0)
+    session.begin_step(group.rank_view(0))
+    session.encode("w", torch.randn(30_000), group.rank_view(0))
     assert bool(drv.current.transport_bytes) == (transport == "auto")
     assert "wants_costs" not in drv.current.to_dict()
 
@@ -247,9 +249,9 @@ def test_the_horovod_objects_take_a_clock_like_the_ddp_hook():
 
     now = [100.0]
     comp = AdaptiveCompression(clock=lambda: now[0])
-    comp._begin_step()
+    comp.session.begin_step(comp.comm)
     now[0] += 0.25  # the step took a quarter of a second on that clock, whatever the wall clock did
-    comp._begin_step()
+    comp.session.begin_step(comp.comm)
     assert comp.driver.last_step_time == pytest.approx(0.25)
     with pytest.raises(ValueError, match="clock must be a callable"):
         AdaptiveCompression(clock=3.0)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["AlltoallCollectives", "Collectives", "SimulatedGroup"]
+__all__ = ["AllreduceCollectives", "AlltoallCollectives", "Collectives", "SimulatedGroup"]
 
 
 class Collectives(Protocol):
@@ -33,7 +33,14 @@ class Collectives(Protocol):
         """Start concatenating every rank's `tensor` along dimension 0 (sizes may differ per rank)."""
 
     def wait(self, handle: Any) -> torch.Tensor:
-        """The concatenation, in rank order."""
+        """The concatenation, in rank order (an allreduce's: the average)."""
+
+
+class AllreduceCollectives(Collectives, Protocol):
+    """Collectives that can also average a tensor over the ranks (the low-rank codec's factors)."""
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """Start averaging `tensor` (the same shape on every rank) over the ranks; `wait` gives the average."""
 
 
 class AlltoallCollectives(Collectives, Protocol):
@@ -118,5 +125,18 @@ class _RankView:
                              f"{self._group.world} parts")
         return self._group._submit(self._rank, (tensor.clone(), splits), name)
 
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
+        return _Mean(self._group._submit(self._rank, tensor.clone(), name), tuple(tensor.shape))
+
     def wait(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _Mean):
+            every = self._group._wait(handle.handle)
+            return every.view(self._group.world, *handle.shape).mean(0)
         return self._group._wait(handle)
+
+
+class _Mean(NamedTuple):
+    """A simulated allreduce in flight: the gather it waits on, and the shape of one rank's tensor."""
+
+    handle: tuple[str, int]
+    shape: tuple[int, ...]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
-           "allgather_bytes", "allreduce_bytes", "choose_transport", "gather_bitmap", "gather_bitmap_bytes",
+           "allgather_bytes", "allreduce_bytes", "gather_bitmap", "gather_bitmap_bytes",
            "gather_part_bytes", "pairwise_alltoall", "ring_allgather",
            "ring_allreduce", "scatter_bitmap", "scatter_bitmap_bytes", "scatter_keep", "scatter_part_bytes",
            "transport_cost"]
@@ -233,30 +233,3 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
         half = ring_allreduce(4.0 * k / 2.0, world)
         return half + half
     raise ValueError(f"unknown transport {kind!r}; the modelled ones are {', '.join(MODELLED)}")
-
-
-def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, asked: str | None = None) -> str:
-    """DENSE, ALLREDUCE, ALLGATHER, AGREED or SCATTER for a tensor of ``numel`` elements compressed to ``k``.
-
-    Shared indices sum correctly, so they always go by allreduce of k values. Rank-specific selections
-    go by ALLGATHER, or by AGREED or SCATTER when ``asked`` (the step's plan asks for it), as long as it sends
-    fewer bytes than the dense allreduce; beyond that the tensor goes dense (exact). SCATTER needs every owner
-    to hold an index (``numel >= W``) and three ranks: on two it receives the allgather's bytes in two
-    collectives instead of one, so it is the allgather there.
-    A pure function of its arguments: identical on every rank.
-    """
-    if world_size < 1 or numel < 1 or k < 1:
-        raise ValueError(f"need world_size, numel and k >= 1, got {world_size}, {numel}, {k}")
-    if asked not in (None, ALLGATHER, AGREED, SCATTER):
-        raise ValueError(f"asked must be None, {ALLGATHER!r}, {AGREED!r} or {SCATTER!r}, got {asked!r}")
-    if k >= numel:
-        return DENSE
-    if shared_indices:
-        return ALLREDUCE
-    if asked == SCATTER and (world_size < 3 or numel < world_size):
-        asked = None
-    if asked in (AGREED, SCATTER):
-        dense = transport_cost(DENSE, numel, k, world_size).bytes
-        return asked if transport_cost(asked, numel, k, world_size).bytes < dense else DENSE
-    # the pairs alone against the dense values alone (horovod_ext/tf_compression.py's graph has the same rule)
-    return ALLGATHER if allgather_bytes(k, world_size) < allreduce_bytes(numel, world_size) else DENSE

@@ -134,6 +134,10 @@ class GroupedCollectives:
             self._send(group)
         return MemberHandle(group, name, tensor.dtype, tuple(tensor.shape[1:]))
 
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """The host's allreduce (an average), at once (the host fuses small ones itself)."""
+        return self.inner.allreduce_async(tensor, name)  # type: ignore[attr-defined]
+
     def alltoall_async(self, tensor: torch.Tensor, splits: Sequence[int], name: str) -> Any:
         """The host's alltoall, at once (not grouped)."""
         return self.inner.alltoall_async(tensor, splits, name)  # type: ignore[attr-defined]

@@ -4,9 +4,9 @@
 and returns the payload the host reduces; `decode` returns the averaged gradient and the reduced
 statistics `[1, ||x||^2]` (x = gradient + residual), which feed DQ-SGD's next choice of bits.
 
-Transports, by bytes (`choose_quant_transport`): packed codes by allgather (torch allreduce has no
-8-bit type; each rank's codes carry their own scale, so they cannot be summed), dequantized fp16
-values by allreduce (summable; wins for large worlds), or dense fp32.
+Transports, decided by the caller per tensor (crossover/driver/transport.py, `quant_route`): packed codes by
+allgather (torch allreduce has no 8-bit type; each rank's codes carry their own scale, so they cannot be
+summed), or dequantized fp16 values by allreduce (summable; wins for large worlds).
 """
 
 from __future__ import annotations
@@ -23,25 +23,14 @@ from .collectives import Collectives
 from .memory import ErrorFeedback
 from .wire import QUANT_STATS_LEN, clamp_stat, levels_for_bits, shared_seed
 
-__all__ = ["QuantCodec", "QuantCtx", "choose_quant_transport", "TRANSPORTS"]
+__all__ = ["QuantCodec", "QuantCtx"]
 
-TRANSPORTS = ("auto", "allgather", "allreduce")
 _FP16_MEAN_SQ_MAX = 60000.0  # ||x||^2 / n travels in fp16 on the fp16 path: clamp below fp16's max
-
-
-def choose_quant_transport(numel: int, bits: int, world: int) -> str:
-    """ALLGATHER of packed codes, ALLREDUCE of fp16 values, or DENSE fp32, whichever sends fewest bytes."""
-    options = {
-        cost_model.ALLGATHER: cost_model.allgather_bytes(quantize.packed_nbytes(numel, bits) + 4, world, 1),
-        cost_model.ALLREDUCE: cost_model.allreduce_bytes(numel, world, 2),
-        cost_model.DENSE: cost_model.allreduce_bytes(numel, world, 4),
-    }
-    return min(options, key=options.get)
 
 
 @dataclass
 class QuantCtx:
-    kind: str  # cost_model.DENSE / "ar" (fp16 values) / "ag" (packed codes)
+    kind: str  # cost_model.ALLREDUCE (fp16 values) / cost_model.ALLGATHER (packed codes)
     key: str
     shape: torch.Size
     numel: int
@@ -54,17 +43,15 @@ class QuantCtx:
 class QuantCodec:
     """Quantizer + error-feedback memory + transports for float32 gradients."""
 
-    def __init__(self, *, error_feedback: bool = False, seed: int = 0, transport: str = "auto") -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    def __init__(self, *, error_feedback: bool = False, seed: int = 0) -> None:
         self.memory = ErrorFeedback(error_feedback)
         self.seed = check_seed(seed)
-        self.transport = transport
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
-    def encode(self, key: str, tensor: torch.Tensor, bits: int, step: int,
-               comm: Collectives) -> tuple[torch.Tensor, QuantCtx, int]:
-        """(payload for the host's reduction, context for `decode`, bytes this rank sends)."""
+    def encode(self, key: str, tensor: torch.Tensor, bits: int, step: int, comm: Collectives,
+               kind: str) -> tuple[torch.Tensor, QuantCtx, int]:
+        """(payload for the host's reduction, context for `decode`, bytes this rank sends); `kind`: the tensor's
+        transport, cost_model.ALLREDUCE or ALLGATHER."""
         numel = tensor.numel()
         s = levels_for_bits(bits)
         x = tensor.detach().reshape(-1)
@@ -81,13 +68,7 @@ class QuantCodec:
         scale = quantize.absmax(x) or 1.0  # an all-zero tensor quantizes to zeros at any scale
         seed = shared_seed(self.seed, step, f"{key}:{comm.rank()}")  # independent rounding per rank
         stats = torch.tensor([1.0, clamp_stat(sq)], dtype=torch.float32, device=x.device)  # sq: float64, clamped
-        kind = self.transport if self.transport != "auto" else choose_quant_transport(numel, bits, comm.size())
         ctx = QuantCtx(kind=kind, key=key, shape=tensor.shape, numel=numel, bits=bits, residual=residual)
-        if kind == cost_model.DENSE:
-            payload = torch.cat([x, stats])
-            if residual is not None:
-                residual.zero_()
-            return payload, ctx, payload.numel() * 4
         if kind == cost_model.ALLREDUCE:  # dequantized fp16 values sum across ranks
             vals = self._buf(key, "vals", numel, torch.float32, x.device)
             lev = self._buf(key, "lev", numel, torch.int32, x.device)
@@ -95,13 +76,12 @@ class QuantCodec:
             quantize.dequantize_levels(lev, scale, s, vals)
             stats[1] = clamp_stat(sq / numel, _FP16_MEAN_SQ_MAX)  # a mean square: scaled back in decode
             payload = torch.cat([vals.half(), stats.half()])
-            ctx.kind = "ar"
             return payload, ctx, payload.numel() * 2
         seg = 4 + quantize.packed_nbytes(numel, bits)
         packed = self._buf(key, "packed", seg, torch.uint8, x.device)
         packed[:4] = torch.tensor([scale], dtype=torch.float32, device=x.device).view(torch.uint8)
         quantize.quantize_pack(x, scale, s, bits, seed, packed[4:], residual_out=residual)
-        ctx.kind, ctx.seg = "ag", seg
+        ctx.seg = seg
         ctx.handle = comm.allgather_async(packed, f"crossover.qallgather.{key}")
         return stats, ctx, seg + stats.numel() * 4
 
@@ -125,10 +105,8 @@ class QuantCodec:
         world = comm.size()
         stats = reduced[-QUANT_STATS_LEN:].float()
         one = float(stats[0])  # 1 for Average, world size for Sum
-        sq = float(stats[1]) * (ctx.numel if ctx.kind == "ar" else 1)
-        if ctx.kind == cost_model.DENSE:
-            return reduced[:ctx.numel].view(ctx.shape), (one, sq)
-        if ctx.kind == "ar":
+        sq = float(stats[1]) * (ctx.numel if ctx.kind == cost_model.ALLREDUCE else 1)
+        if ctx.kind == cost_model.ALLREDUCE:
             return reduced[:ctx.numel].float().view(ctx.shape), (one, sq)
         gathered = comm.wait(ctx.handle)
         out = self._buf(ctx.key, "out", ctx.numel, torch.float32, reduced.device)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from . import agreed, cost_model, kernels, scatter, transport
+from . import agreed, cost_model, kernels, payloads, scatter
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
@@ -38,10 +38,6 @@ class StepPlan(Protocol):
     step: int  # steps begun, identical on every rank: seeds the shared random choices
     sent_cf: float  # the CF to send (1 = dense)
     probes: tuple[float, ...]  # the CFs whose norms to measure
-    # optional ``transport``: cost_model.AGREED sends rank-specific selections at the agreed index set,
-    # cost_model.SCATTER by the sparse reduce-scatter;
-    # optional ``note_costs(costs)``: told each compressed tensor's bytes per worker per candidate transport, when
-    # the optional ``wants_costs`` is true
 
 
 class SparseCodec:
@@ -72,7 +68,7 @@ class SparseCodec:
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
         self._agreed: dict[str, agreed.AgreedSet] = {}  # key -> the index set agreed for its next step
         self._scores: dict[str, torch.Tensor] = {}
-        self._scatters: list[transport.SparseCtx] = []  # SCATTER tensors of the step whose allgather has not begun
+        self._scatters: list[payloads.SparseCtx] = []  # SCATTER tensors of the step whose allgather has not begun
 
     def forget_agreed(self) -> None:
         """Drop every agreed index set (elastic reset): the next step of each tensor draws its set from the
@@ -88,10 +84,11 @@ class SparseCodec:
         """Replace the agreed sets by `agreed_state()` output (checked first: ValueError, nothing changed)."""
         self._agreed = agreed.sets_from_state(state)
 
-    def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float,
-               comm: Collectives, momentum: float = 0.0) -> tuple[torch.Tensor, transport.SparseCtx, int]:
-        """(payload for the host's reduction, context for `decode`, bytes this rank sends). `momentum`: the
-        optimizer's, reported to the policy in the statistics (wire.SparseStatsLayout)."""
+    def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float, comm: Collectives,
+               kind: str, momentum: float = 0.0) -> tuple[torch.Tensor, payloads.SparseCtx, int]:
+        """(payload for the host's reduction, context for `decode`, bytes this rank sends). `kind`: the tensor's
+        transport, decided by the caller (crossover/driver/transport.py: DENSE for a step that sends dense);
+        `momentum`: the optimizer's, reported to the policy in the statistics (wire.SparseStatsLayout)."""
         numel = tensor.numel()
         grad = tensor.detach().reshape(-1)
         if not grad.is_contiguous():
@@ -109,19 +106,6 @@ class SparseCodec:
         seed = shared_seed(self.seed, rec.step, key)
         send_cf = rec.sent_cf
         k = k_for(numel, send_cf) if send_cf > 1 else numel
-        asked = getattr(rec, "transport", None) if send_cf > 1 else None
-        # the agreed set holds k indices of the CF sent: it serves plans that send their lowest level
-        if asked == cost_model.AGREED and send_cf != levels[0]:
-            asked = None
-        if asked == cost_model.SCATTER and not hasattr(comm, "alltoall_async"):
-            raise RuntimeError("crossover compression: transport 'scatter' needs a host with an alltoall (Horovod); "
-                               "use transport='allgather' or 'agreed' here")
-        kind = cost_model.choose_transport(numel, k, comm.size(), self.selector.shared_indices,
-                                           asked if asked in (cost_model.AGREED, cost_model.SCATTER) else None)
-        # the step driver's record collects the cost model's bytes where something reads them
-        note = getattr(rec, "note_costs", None) if getattr(rec, "wants_costs", False) else None
-        if note is not None and send_cf > 1 and not self.selector.shared_indices:
-            note(_candidate_costs(numel, k, comm.size(), SparseStatsLayout(len(rec.probes), self.seed_check).length))
         if kind == cost_model.AGREED:
             return self._encode_agreed(key, tensor, grad, residual, rec, step_time, comm, levels, k, seed,
                                        momentum)
@@ -143,7 +127,7 @@ class SparseCodec:
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
                                           seed_fp=seed_fingerprint(self.seed, comm.size()), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
-        ctx = transport.SparseCtx(kind=transport.DENSE, key=key, shape=tensor.shape, numel=numel,
+        ctx = payloads.SparseCtx(kind=payloads.DENSE, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, grad=grad, residual=residual,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
@@ -158,20 +142,20 @@ class SparseCodec:
                 payload = grad.copy_(acc) if acc is residual else acc
                 ctx.stats_apart = stats
             else:
-                payload = transport.send_dense(acc, stats)
+                payload = payloads.send_dense(acc, stats)
             if acc is residual:  # the residual went out whole: zero until a compressed step
                 residual.zero_()
                 self._zeroed[key] = residual
             return payload, ctx, (numel + stats.numel()) * 4
         if kind == cost_model.ALLREDUCE:
-            ctx.kind, ctx.k = transport.SHARED, sel.idx.numel()
-            payload = transport.send_shared(sel, stats)
+            ctx.kind, ctx.k = payloads.ALLREDUCE, sel.idx.numel()
+            payload = payloads.send_shared(sel, stats)
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.SCATTER:
-            payload, ctx.handle, nbytes = transport.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
+            payload, ctx.handle, nbytes = payloads.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
                                                                  numel, cost_model.scatter_bitmap(k, numel,
                                                                                                   comm.size()))
-            ctx.kind, ctx.k, ctx.step = transport.SCATTER, k, rec.step
+            ctx.kind, ctx.k, ctx.step = payloads.SCATTER, k, rec.step
             self._scatters = [c for c in self._scatters if c.step == rec.step] + [ctx]  # drop an abandoned step's
             return payload, ctx, nbytes + stats.numel() * 4
         rows = sel.idx.numel()
@@ -179,16 +163,16 @@ class SparseCodec:
             if rows > k:  # keep the k largest; the rest returns to the residual
                 sel = apply_mask(sel, _largest(sel.val, k), residual)
             ctx.bitmap = self.gather_bitmap and cost_model.gather_bitmap(k, numel)
-            rows = transport.gather_rows(k, numel, ctx.bitmap)
-        packed = self._packed_buf(key, rows + transport.HEADER_ROWS, grad.device)
+            rows = payloads.gather_rows(k, numel, ctx.bitmap)
+        packed = self._packed_buf(key, rows + payloads.HEADER_ROWS, grad.device)
         scratch = self.selector.buffers.get(key, "gather.bitmap", numel, torch.float32, grad.device) \
             if ctx.bitmap else None
-        payload, ctx.handle = transport.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
+        payload, ctx.handle = payloads.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
                                                        tensor.shape, ctx.bitmap, scratch)
-        ctx.kind, ctx.k = transport.GATHER, k
+        ctx.kind, ctx.k = payloads.ALLGATHER, k
         return payload, ctx, packed.numel() * 4 + stats.numel() * 4
 
-    def decode(self, reduced: torch.Tensor, ctx: transport.SparseCtx, comm: Collectives,
+    def decode(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Collectives,
                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the averaged gradient in the tensor's shape, the reduced statistics vector).
 
@@ -201,19 +185,19 @@ class SparseCodec:
         everywhere, as it would with stock Horovod.
         """
         if stats is None:
-            stats = transport.split_stats(reduced, ctx.nstats)
-        if ctx.kind == transport.AGREED:
+            stats = payloads.split_stats(reduced, ctx.nstats)
+        if ctx.kind == payloads.AGREED:
             self._receive_agreed(reduced, ctx, comm, stats)
         out = None
-        if ctx.kind != transport.DENSE:
+        if ctx.kind != payloads.DENSE:
             out = self._outputs.get(ctx.key)
             if out is None or out.numel() != ctx.numel or out.device != reduced.device:
                 out = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
                 self._outputs[ctx.key] = out
-        if ctx.kind == transport.SCATTER:
+        if ctx.kind == payloads.SCATTER:
             flat = self._receive_scatter(ctx, comm, stats, out)
         else:
-            flat = transport.receive(reduced, ctx, comm, out)
+            flat = payloads.receive(reduced, ctx, comm, out)
         if not bool(torch.isfinite(stats).all()):
             self._undo(ctx)
             flat.fill_(float("nan"))
@@ -222,7 +206,7 @@ class SparseCodec:
 
     def _encode_agreed(self, key: str, tensor: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None,
                        rec: StepPlan, step_time: float, comm: Collectives, levels: list[float], k: int,
-                       seed: int, momentum: float) -> tuple[torch.Tensor, transport.SparseCtx, int]:
+                       seed: int, momentum: float) -> tuple[torch.Tensor, payloads.SparseCtx, int]:
         """Values of grad + residual at the set agreed for this step (else drawn from the seed), summed by
         the host; this rank's proposals for the next step's set by allgather; the rest stays in the residual."""
         numel, world = grad.numel(), comm.size()
@@ -246,14 +230,14 @@ class SparseCodec:
                              dtype=torch.float32, device=grad.device)
         check = torch.tensor(agreed.check_values(hashes), dtype=torch.float32, device=grad.device)
         proposals = self._propose(key, grad, residual, sel, world)
-        payload, handle = transport.send_agreed(val, check, stats, comm, f"crossover.agreed.{key}", proposals)
-        ctx = transport.SparseCtx(kind=transport.AGREED, key=key, shape=tensor.shape, numel=numel,
+        payload, handle = payloads.send_agreed(val, check, stats, comm, f"crossover.agreed.{key}", proposals)
+        ctx = payloads.SparseCtx(kind=payloads.AGREED, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, handle=handle, idx=idx, k=k, val=val, grad=grad,
                                   residual=residual, step=rec.step, hashes=hashes,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         return payload, ctx, payload.numel() * 4 + proposals.numel() * 4
 
-    def _receive_agreed(self, reduced: torch.Tensor, ctx: transport.SparseCtx, comm: Collectives,
+    def _receive_agreed(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Collectives,
                         stats: torch.Tensor) -> None:
         """Check that every rank sent values at the same set, and agree on the next step's set."""
         gathered = comm.wait(ctx.handle) if ctx.handle is not None else None  # always: it completes everywhere
@@ -274,7 +258,7 @@ class SparseCodec:
         self._agreed[ctx.key] = agreed.AgreedSet(nxt, ctx.k, ctx.numel, idx,
                                                  agreed.fingerprint(ctx.key, nxt, "agreed", idx))
 
-    def _receive_scatter(self, ctx: transport.SparseCtx, comm: Collectives, stats: torch.Tensor,
+    def _receive_scatter(self, ctx: payloads.SparseCtx, comm: Collectives, stats: torch.Tensor,
                          out: torch.Tensor) -> torch.Tensor:
         """Scatter every owner's kept sums into `out` and return to the residual what this rank sent that no owner
         kept. The first decode of a step starts the allgathers of every reduce-scattered tensor of the step
@@ -295,7 +279,7 @@ class SparseCodec:
             kernels.scatter_add(ctx.residual, ctx.idx[gone].contiguous(), ctx.val[gone].contiguous())
         return out
 
-    def _start_gathers(self, comm: Collectives, ctx: transport.SparseCtx) -> None:
+    def _start_gathers(self, comm: Collectives, ctx: payloads.SparseCtx) -> None:
         """For `ctx` and every other reduce-scattered tensor of its step not begun yet, in encode order: wait for
         the alltoall, sum what this rank owns, keep the largest, start the allgather of the kept sums. Every
         rank starts every one of them, whatever its statistics say (a non-finite sum is gathered, then dropped)."""
@@ -328,12 +312,12 @@ class SparseCodec:
             torch.add(residual, grad, out=score)
         return agreed.propose(score, sel.idx.numel(), world)
 
-    def _next_set(self, gathered: torch.Tensor, world: int, ctx: transport.SparseCtx, seed: int) -> torch.Tensor:
+    def _next_set(self, gathered: torch.Tensor, world: int, ctx: payloads.SparseCtx, seed: int) -> torch.Tensor:
         """The set for the step after ``ctx.step`` from every rank's gathered proposals (same on every rank)."""
         return agreed.merge_proposals(gathered, world, ctx.step, ctx.k, ctx.numel, seed)
 
     @staticmethod
-    def _undo(ctx: transport.SparseCtx) -> None:
+    def _undo(ctx: payloads.SparseCtx) -> None:
         """Put the tensor's residual back as it was before this step's `encode`, without a copy.
 
         After encode the residual is `acc - sent` with `acc = grad + e_old`, so `e_old = residual +
@@ -344,7 +328,7 @@ class SparseCodec:
         res = ctx.residual
         if res is None:
             return
-        if not ctx.local_finite or ctx.kind == transport.DENSE or ctx.idx is None:
+        if not ctx.local_finite or ctx.kind == payloads.DENSE or ctx.idx is None:
             res.zero_()
             return
         kernels.scatter_add(res, ctx.idx, ctx.val.contiguous())
@@ -359,16 +343,6 @@ class SparseCodec:
 
 
 _FILL_SEED = 0x5851F42D4C957F2D  # decorrelates the fill of an agreed set from the step's own random draws
-
-
-def _candidate_costs(numel: int, k: int, world: int, nstats: int) -> dict[str, float]:
-    """Bytes per worker of one tensor sent at k elements by each transport a rank-specific selector can use
-    (each falling back to dense where that is cheaper, as `choose_transport` does)."""
-    out = {}
-    for kind in (cost_model.AGREED, cost_model.SCATTER, cost_model.ALLGATHER):
-        real = cost_model.choose_transport(numel, k, world, False, kind)
-        out[kind] = cost_model.transport_cost(real, numel, k, world, nstats).bytes
-    return out
 
 
 def _largest(val: torch.Tensor, k: int) -> torch.Tensor:

@@ -78,6 +78,12 @@ class TorchDistCollectives:
         work = _all_gather(out, tensor.contiguous(), group=self.group, async_op=True)
         return GatherHandle(fut=work.get_future(), out=out, rows=rows, counts=counts)
 
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> GatherHandle:
+        """Start averaging `tensor` over the group (out of place: the sum of each rank's share)."""
+        out = tensor / self.size()
+        work = dist.all_reduce(out, group=self.group, async_op=True)
+        return GatherHandle(fut=work.get_future(), out=out, rows=out.shape[0] if out.dim() else 1)
+
     def wait(self, handle: GatherHandle) -> torch.Tensor:
         """The concatenation of every rank's tensor, in rank order (padding removed).
 

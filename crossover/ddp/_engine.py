@@ -1,14 +1,13 @@
 """The engine an `AdaptiveState` holds (crossover/ddp/hook.py): one policy family's work per DDP bucket.
 
-`_Engine` is the interface; `_CodecEngine` is what the sparse and quantizing engines share: pass-through of
-buckets that are not compressed, keys per bucket, the payload's reduction and the codec's own collectives
-issued from the hook's body, deferred statistics fed to the driver in bucket order, state and reset.
+`_Engine` is the interface; `_CodecEngine` runs a step session (crossover/driver/session.py) per bucket:
+pass-through of buckets that are not compressed, keys per bucket, the payload's reduction and the codec's own
+collectives issued from the hook's body, deferred statistics fed in bucket order, state and reset.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from crossover.driver import check_min_numel
+from crossover.driver.session import SparseSession, StepSession
 
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives
@@ -91,73 +91,30 @@ class _Engine:
 
 
 class _CodecEngine(_Engine):
-    """What the sparse and the quantizing engines share: pass-through, keys, reduction, deferred statistics,
-    and the state of their `driver` (a SparseStepDriver or QuantStepDriver the subclass sets)."""
+    """A step session (crossover/driver/session.py: a step driver and a codec) run per DDP bucket: pass-through,
+    keys per bucket, the payload's reduction and the codec's own collectives issued from the hook's body, the
+    reduced statistics fed in bucket order at the next step (`session.decode(..., order=index)`), state and reset."""
 
-    driver: Any
-
-    def __init__(self, group: Any, *, min_compress_numel: int, memory: Any) -> None:
+    def __init__(self, group: Any, name: str, session: StepSession, *, min_compress_numel: int) -> None:
         super().__init__(group)
+        self.name = name
+        self.session = session
         self.min_compress_numel = check_min_numel(min_compress_numel)
-        self.layouts = BucketLayouts(memory)
-        self._reduced: dict[int, Any] = {}  # bucket index -> reduced statistics (written by callbacks)
+        self.layouts = BucketLayouts(session.codec.memory)
         self._step_buckets: dict[str, int] = {}  # buckets of the step in flight: "large" or the dtype passed through
         self._passed: dict[int, torch.Tensor] = {}  # bucket index -> finite after the reduction (callbacks)
-        self._step_keys: dict[int, str] = {}  # bucket index -> key, for the buckets compressed this step
+        self._rebuilds_seen = 0
         self._warned = False
 
-    # the subclass's driver and codec
-    def _begin_step(self) -> None:
-        raise NotImplementedError
-
-    def _feed(self, reduced: Any, world: int) -> None:
-        raise NotImplementedError
-
-    def _count(self, sent: int, dense: int) -> None:
-        self.driver.count(sent, dense)
-
-    def _skips_all(self) -> bool:
-        return False
-
-    def _mark_nonfinite(self) -> None:
-        self.driver.mark_nonfinite()
-
-    def _step_nonfinite(self) -> bool:
-        raise NotImplementedError
-
-    def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
-        raise NotImplementedError
-
-    def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
+    @property
+    def driver(self) -> Any:
+        return self.session.driver
 
     # ------------------------------------------------------------------ per bucket
     def flush(self) -> None:
-        """Feed the reduced statistics of the last step to the driver, in bucket order (same on every rank).
-
-        A bucket passed through (too small, not float32) reaches every rank with the same reduced values, so
-        inf/NaN in it marks the step non-finite alike everywhere with no collective. A non-finite step leaves
-        no trace in error feedback: a compressed bucket whose decode did not put its residual back (its own
-        statistics were finite) has it reset to zeros.
-        """
+        """The last step is over: the session feeds its statistics in bucket order and settles inf/NaN."""
         passed, self._passed = self._passed, {}
-        keys, self._step_keys = self._step_keys, {}
-        undone = set()
-        if self._reduced:
-            world = self.comm.size()
-            for index in sorted(self._reduced):
-                reduced = self._reduced[index]
-                if not all(math.isfinite(float(v)) for v in reduced):
-                    undone.add(index)  # the codec put this bucket's residual back
-                self._feed(reduced, world)
-            self._reduced.clear()
-        if passed and not bool(torch.stack(list(passed.values())).all()):  # one device per DDP process
-            self._mark_nonfinite()
-        if keys and self._step_nonfinite():
-            for index, key in keys.items():
-                res = self.layouts.memory.get(key)
-                if res is not None and index not in undone:
-                    res.zero_()
+        self.session.settle([passed[i] for i in sorted(passed)])
 
     def run(self, bucket: dist.GradBucket) -> Future:
         index = bucket.index()
@@ -165,13 +122,14 @@ class _CodecEngine(_Engine):
         if index == 0:
             self._say_uncompressed()
             self.flush()
-            self._begin_step()
+            self.session.begin_step(self.comm)
+            self.session.optimizer_seen(None)  # a DDP hook does not see the optimizer
         nbytes = buf.numel() * buf.element_size()
         small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
         kind = "large" if not small else str(buf.dtype).replace("torch.", "")
         self._step_buckets[kind] = self._step_buckets.get(kind, 0) + 1
-        if small or self._skips_all():
-            self._count(nbytes, nbytes)
+        if small or self.session.skips_all():
+            self.session.count(nbytes, nbytes)
             if small and self.layouts.memory.enabled:  # a residual left by a bucket rebuild goes out now
                 res = self.layouts.memory.pop(self.layouts.key(index, bucket.parameters(), buf))
                 if res is not None and res.dtype == buf.dtype:
@@ -186,14 +144,16 @@ class _CodecEngine(_Engine):
 
             return allreduce_mean(buf, self.group).then(seen)
         key = self.layouts.key(index, bucket.parameters(), buf)
-        self._step_keys[index] = key
-        self._count(0, nbytes)
-        payload, ctx, sent = self._encode(key, buf)
-        self._count(sent, 0)
+        if self.layouts.rebuilds != self._rebuilds_seen:  # DDP regrouped its buckets: their agreed sets are moot
+            self._rebuilds_seen = self.layouts.rebuilds
+            forget = getattr(self.session.codec, "forget_agreed", None)
+            if forget is not None:
+                forget()
+        payload, ctx = self.session.encode(key, buf, self.comm)
         payload.div_(self.comm.size())  # the sum over ranks becomes the average (stats[0] says so to decode)
         fut = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
         handle = getattr(ctx, "handle", None)
-        if handle is not None:  # the codec's own allgather, issued in _encode just before
+        if handle is not None:  # the codec's own allgather, issued in encode just before
             fut = torch.futures.collect_all([fut, handle.future()])
 
         gloo_cuda = _gloo_cuda(payload, self.group)
@@ -202,10 +162,9 @@ class _CodecEngine(_Engine):
             _raise_errors(f)
             if gloo_cuda:
                 torch.cuda.synchronize(payload.device)
-            out, reduced = self._decode(payload, ctx)
+            out = self.session.decode(payload, ctx, self.comm, order=index)
             if gloo_cuda:
                 torch.cuda.synchronize(payload.device)
-            self._reduced[index] = reduced
             return out
 
         return fut.then(finish)
@@ -222,35 +181,37 @@ class _CodecEngine(_Engine):
         log.warning("crossover: no gradient bucket was compressed in a step: %s; they went through DDP's dense "
                     "averaging, and stats() reports CF 1", why)
 
-    # ------------------------------------------------------------------ state (the subclass's `driver`)
+    # ------------------------------------------------------------------ state
     def stats(self) -> dict[str, Any]:
         self.flush()  # between steps: the last step's statistics (non-finite or not) count now
-        return self.driver.stats()
+        return self.session.stats()
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()
-        return {"driver": self.driver.state_dict(), "residuals": self.layouts.pieces()}
+        return {"driver": self.session.state_dict(**self._agreed_kw()), "residuals": self.layouts.pieces()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Residuals checked, then the driver's state (checked whole before it applies any), then residuals."""
+        """Residuals checked, then the session's state (checked whole before it applies any), then residuals.
+
+        Agreed index sets are made per bucket and a restarted DDP groups its buckets anew: they are not
+        checkpointed; each bucket's next set is drawn from the shared seed, on every rank alike."""
         if "driver" not in state:
             raise ValueError("not a valid compression state: no 'driver' entry")
         if "residuals" in state:
             self.layouts.validate(state["residuals"])
-        self.driver.load_state_dict(state["driver"])
-        self._reduced.clear()
+        self.session.load_state_dict(state["driver"], **self._agreed_kw())
         self._passed.clear()
-        self._step_keys.clear()
         if "residuals" in state:
             self.layouts.load(state["residuals"])
 
+    def _agreed_kw(self) -> dict[str, bool]:
+        return {"agreed": False} if isinstance(self.session, SparseSession) else {}
+
     def reset(self) -> None:
-        self._reduced.clear()
         self._step_buckets.clear()
         self._passed.clear()
-        self._step_keys.clear()
         self.layouts.reset()
-        self.driver.reset()
+        self.session.reset()
 
     @property
     def bucket_rebuilds(self) -> int:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
@@ -42,25 +41,21 @@ import torch.distributed as dist
 
 from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.adaptive.static import StaticPolicy
-from crossover.compression import cost_model
+from crossover.compression.cost_model import SCATTER
 from crossover.compression.quant_codec import QuantCodec
-from crossover.compression.selectors import make_selector
-from crossover.compression.sparse_codec import SparseCodec
 from crossover.driver import (
     DEFAULT_TRANSPORT,
     UNKNOWN_MOMENTUM,
     CfPolicy,
     QuantStepDriver,
-    SparseStepDriver,
-    check_momentum,
     check_transport,
     dqsgd_settings,
     gravac_or_dense,
-    lr_at,
-    reported_momentum,
 )
 from crossover.driver.records import check_int
+from crossover.driver.session import LOWRANK, QuantSession, cf_session, check_compressor
 
+from ._collectives import TorchDistCollectives
 from ._engine import Future, _CodecEngine, _Engine, allreduce_mean
 
 __all__ = ["AdaptiveState", "adaptive_hook", "POLICIES", "GATHERS"]
@@ -77,104 +72,6 @@ LR = Union[float, Callable[[int], float]]
 _DQ_DEFAULTS = {name: p.default for name, p in inspect.signature(DqsgdPolicy).parameters.items()
                 if name in ("b_min", "b_max", "decay")}
 DEFAULT_MIN_COMPRESS_NUMEL = 16384  # as the Horovod objects: smaller buckets go dense
-
-
-class _SparseEngine(_CodecEngine):
-    """A compression-factor policy (GraVAC, static) driving a sparsifying codec."""
-
-    def __init__(self, group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
-                 min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
-                 clock: Callable[[], float] | None, transport: str, momentum: float | None = None) -> None:
-        if check_transport(transport) == cost_model.SCATTER:
-            raise ValueError("transport='scatter' needs an alltoall from Horovod's background loop; the DDP hook "
-                             "issues its collectives bucket by bucket and has none: use 'allgather', 'agreed' or "
-                             "'auto' here")
-        self.momentum = check_momentum(momentum)  # a DDP hook does not see the optimizer: the user says it
-        if gather not in GATHERS:
-            raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
-        if clock is not None and not callable(clock):
-            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
-        self.clock = clock or time.perf_counter
-        self.name = name
-        self.codec = SparseCodec(compressor, error_feedback=error_feedback, seed=seed,
-                                 grad_norms=bool(getattr(policy, "needs_grad_norms", False)),
-                                 fixed_gather=gather == "pad")
-        super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
-        self.comm.equal_sizes = gather == "pad"
-        self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv,
-                                       rank=self.comm.rank, seed_check=self.codec.seed_check,
-                                       transport=None if self.codec.selector.shared_indices else transport)
-        self.compressor = compressor
-        self._rebuilds_seen = 0
-
-    def _begin_step(self) -> None:
-        self.driver.begin_step(self.clock())
-
-    def _feed(self, reduced: Any, world: int) -> None:
-        self.driver.add_reduced(reduced, world)
-
-    def _skips_all(self) -> bool:
-        return self.driver.skips_all()
-
-    def _step_nonfinite(self) -> bool:
-        return self.driver.current is not None and self.driver.current.nonfinite
-
-    def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
-        if self.layouts.rebuilds != self._rebuilds_seen:  # DDP regrouped its buckets: their agreed sets are moot
-            self._rebuilds_seen = self.layouts.rebuilds
-            self.codec.forget_agreed()
-        return self.codec.encode(key, buf, self.driver.current, self.driver.last_step_time, self.comm,
-                                 momentum=reported_momentum(self.momentum))
-
-    def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
-        out, stats = self.codec.decode(reduced, ctx, self.comm)
-        return out, stats.tolist()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        # Agreed index sets are made per bucket and a restarted DDP groups its buckets anew: they are not
-        # checkpointed; each bucket's next set is drawn from the shared seed, on every rank alike.
-        super().load_state_dict(state)
-        self.codec.seed = self.driver.seed
-        self.codec.forget_agreed()
-
-    def reset(self) -> None:
-        super().reset()
-        self.codec.forget_agreed()
-
-
-class _QuantEngine(_CodecEngine):
-    """A bits-per-step driver (DQ-SGD, fixed QSGD) and a quantizing codec."""
-
-    def __init__(self, group: Any, name: str, driver: QuantStepDriver, *, lr: LR | None, error_feedback: bool,
-                 min_compress_numel: int, seed: int, transport: str) -> None:
-        self.name = name
-        self.codec = QuantCodec(error_feedback=error_feedback, seed=seed, transport=transport)
-        super().__init__(group, min_compress_numel=min_compress_numel, memory=self.codec.memory)
-        self.driver = driver
-        self.lr = lr
-
-    def _begin_step(self) -> None:
-        self.driver.begin_step(self.comm.size())
-        if self.driver.adaptive:
-            self.driver.lr = lr_at(self.lr, self.driver.step, _no_optimizer)
-
-    def _feed(self, reduced: Any, world: int) -> None:
-        one, sq = reduced
-        self.driver.add_reduced_sq(one, sq, world)
-
-    def _step_nonfinite(self) -> bool:
-        return self.driver.step_nonfinite
-
-    def _encode(self, key: str, buf: torch.Tensor) -> tuple[torch.Tensor, Any, int]:
-        self.driver.add_tensor(buf.numel())
-        return self.codec.encode(key, buf, self.driver.bits, self.driver.step, self.comm)
-
-    def _decode(self, reduced: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, Any]:
-        return self.codec.decode(reduced, ctx, self.comm)
-
-
-def _no_optimizer() -> float:
-    raise RuntimeError("DQ-SGD in a DDP hook needs lr= (a number or a callable step -> lr)")
 
 
 class _Fp16Engine(_Engine):
@@ -225,11 +122,35 @@ class _Fp16Engine(_Engine):
 # ---------------------------------------------------------------------------------------------
 # Construction: one validated engine per policy
 # ---------------------------------------------------------------------------------------------
+def _sparse_engine(group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
+                   min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
+                   clock: Callable[[], float] | None, transport: str, momentum: float | None = None) -> _Engine:
+    """A compression-factor policy (GraVAC, static) driving a sparsifying codec, per bucket."""
+    if check_transport(transport) == SCATTER:
+        raise ValueError("transport='scatter' needs an alltoall from Horovod's background loop; the DDP hook "
+                         "issues its collectives bucket by bucket and has none: use 'allgather', 'agreed' or "
+                         "'auto' here")
+    if gather not in GATHERS:
+        raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
+    if compressor == LOWRANK:
+        raise ValueError(f"compressor={LOWRANK!r} is not on the DDP hook yet (a bucket holds several matrices, each "
+                         "needing its own factors): use it through Horovod (StaticCompression), or PyTorch's "
+                         "powerSGD_hook")
+    comm = TorchDistCollectives(group, equal_sizes=gather == "pad")
+    # a DDP hook does not see the optimizer: the user says its momentum, else the safe assumption
+    session = cf_session(compressor, policy, error_feedback=error_feedback, seed=seed, log_csv=log_csv,
+                         rank=comm.rank, transport=transport, alltoall=False, fixed_gather=gather == "pad",
+                         momentum=momentum, unknown_momentum=UNKNOWN_MOMENTUM, clock=clock)
+    engine = _CodecEngine(group, name, session, min_compress_numel=min_compress_numel)
+    engine.comm = comm
+    return engine
+
+
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
                   momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, **gravac: Any) -> _Engine:
-    make_selector(compressor)  # ValueError naming the known compressors
+    check_compressor(compressor, adaptive=bool(enabled))
     try:
         policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
@@ -239,19 +160,27 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
                  "policy assumes %g (SGD momentum or Adam's beta1: the compression is capped where that keeps "
                  "accuracy); pass momentum=<your optimizer's>, 0 for none, to cap by it (docs/accuracy.md)",
                  UNKNOWN_MOMENTUM)
-    return _SparseEngine(group, "gravac", compressor, policy, error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock, transport=transport, momentum=momentum)
+    return _sparse_engine(group, "gravac", compressor, policy, error_feedback=error_feedback,
+                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
+                          clock=clock, transport=transport, momentum=momentum)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
                   transport: str = "allgather") -> _Engine:
-    make_selector(compressor)
-    return _SparseEngine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                         clock=clock, transport=transport)
+    check_compressor(compressor, adaptive=False)
+    return _sparse_engine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
+                          min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
+                          clock=clock, transport=transport)
+
+
+def _quant_engine(group: Any, name: str, driver: QuantStepDriver, *, lr: LR | None, error_feedback: bool,
+                  min_compress_numel: int, seed: int, transport: str) -> _Engine:
+    """A bits-per-step driver (DQ-SGD, fixed QSGD) and a quantizing codec, per bucket."""
+    session = QuantSession(QuantCodec(error_feedback=error_feedback, seed=seed), driver, transport_setting=transport,
+                           lr=lr)
+    return _CodecEngine(group, name, session, min_compress_numel=min_compress_numel)
 
 
 def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
@@ -264,9 +193,9 @@ def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = 
                          "the optimizer")
     settings = dqsgd_settings(total_steps=total_steps, lr=lr, error_budget=error_budget, target_bits=target_bits,
                               b_min=b_min, b_max=b_max, decay=decay)
-    return _QuantEngine(group, "dqsgd", QuantStepDriver(bits=target_bits, dqsgd=settings), lr=lr,
-                        error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
-                        transport=transport)
+    return _quant_engine(group, "dqsgd", QuantStepDriver(bits=target_bits, dqsgd=settings), lr=lr,
+                         error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
+                         transport=transport)
 
 
 def _build_qsgd(group: Any, *, bits: int = 8, error_feedback: bool = False,
@@ -275,8 +204,8 @@ def _build_qsgd(group: Any, *, bits: int = 8, error_feedback: bool = False,
     b_min, b_max = _DQ_DEFAULTS["b_min"], _DQ_DEFAULTS["b_max"]
     if isinstance(bits, bool) or not isinstance(bits, int) or not b_min <= bits <= b_max:
         raise ValueError(f"bits must be an int in [{b_min}, {b_max}], got {bits!r}")
-    return _QuantEngine(group, "qsgd", QuantStepDriver(bits=bits), lr=None, error_feedback=error_feedback,
-                        min_compress_numel=min_compress_numel, seed=seed, transport=transport)
+    return _quant_engine(group, "qsgd", QuantStepDriver(bits=bits), lr=None, error_feedback=error_feedback,
+                         min_compress_numel=min_compress_numel, seed=seed, transport=transport)
 
 
 def _build_fp16(group: Any) -> _Engine:
@@ -339,7 +268,7 @@ class AdaptiveState:
             if getattr(engine, "driver", None) is None:
                 raise ValueError(f"tensorboard= logs a policy's steps; policy={policy!r} has none (use gravac, "
                                  f"static, dqsgd or qsgd)")
-            engine.driver.attach_tensorboard(tensorboard, engine.comm.rank)
+            engine.session.attach_tensorboard(tensorboard, engine.comm.rank)
         self.process_group = process_group
         self.policy_name = policy
         self._engine = engine
@@ -375,9 +304,9 @@ class AdaptiveState:
 
     def close_tensorboard(self) -> None:
         """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""
-        driver = getattr(self._engine, "driver", None)
-        if driver is not None:
-            driver.close_tensorboard()
+        session = getattr(self._engine, "session", None)
+        if session is not None:
+            session.close_tensorboard()
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank's policy state `root_rank`'s (after a resume where ranks loaded different
@@ -394,8 +323,8 @@ class AdaptiveState:
     @property
     def policy(self) -> Any:
         """The policy object (GravacPolicy, StaticPolicy, DqsgdPolicy or None before calibration)."""
-        driver = getattr(self._engine, "driver", None)
-        return None if driver is None else driver.policy
+        session = getattr(self._engine, "session", None)
+        return None if session is None else session.policy
 
     @property
     def driver(self) -> Any:

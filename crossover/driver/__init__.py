@@ -20,15 +20,14 @@ from crossover.driver.settings import (
     optimizer_momentum,
     reported_momentum,
 )
-from crossover.driver.sparse import (
+from crossover.driver.sparse import CfPolicy, SparseStepDriver
+from crossover.driver.steplog import StepLog
+from crossover.driver.transport import (
     ALLTOALL_DEFAULT_TRANSPORT,
     DEFAULT_TRANSPORT,
     TRANSPORTS,
-    CfPolicy,
-    SparseStepDriver,
     check_transport,
 )
-from crossover.driver.steplog import StepLog
 
 __all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "UNKNOWN_MOMENTUM",
            "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",

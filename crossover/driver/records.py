@@ -37,10 +37,11 @@ class StepRecord:
     saturated: bool = False  # some statistic reached STAT_MAX (clamped): not shown to the policy
     transport: str | None = None  # how compressed tensors travel this step (cost_model name; None: the codec's default)
     # the cost model's bytes per worker of this step's compressed tensors, per candidate transport (same on every
-    # rank: tensor sizes, k and world size), as the codec reports them (`note_costs`)
+    # rank: tensor sizes, k and world size), as the step session reports them (`note_costs`)
     transport_bytes: dict[str, float] = field(default_factory=dict)
-    # whether the codec reports those bytes (`note_costs`): the driver turns it on where they are read (the transport
-    # choice, a benchmark); not saved, and off by default: the arithmetic costs about 10 us per compressed tensor
+    # whether the step session reports those bytes (`note_costs`): the driver turns it on where they are read (the
+    # transport choice, a benchmark); not saved, and off by default: the arithmetic costs about 10 us per compressed
+    # tensor
     wants_costs: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

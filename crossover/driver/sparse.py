@@ -26,49 +26,19 @@ from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
 from crossover.adaptive.gravac import tunables as T
-from crossover.adaptive.gravac.transport_choice import CfState, TransportChoice
-from crossover.compression import cost_model
 from crossover.compression.checks import check_seed
 from crossover.compression.wire import SparseStatsLayout, normalize_reduced, seeds_disagree
 from crossover.driver.flat import flat_stats
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
 from crossover.driver.tboard import TensorBoardLog
+from crossover.driver.transport import CfState, TransportChoice, auto_candidates, check_transport
 
-__all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "CF_POLICY_STATE_VERSION", "CfPolicy", "DEFAULT_TRANSPORT",
-           "SparseStepDriver", "TRANSPORTS", "auto_candidates", "check_transport"]
+__all__ = ["CF_POLICY_STATE_VERSION", "CfPolicy", "SparseStepDriver"]
 
 log = logging.getLogger("crossover.driver")
 
 CF_POLICY_STATE_VERSION = 1
-
-#: ``transport=`` of a rank-specific selector (top-k, DGC, RedSync): "auto" (the cost model's cheapest, then
-#: measured time: ``TransportChoice``), "agreed" (always the agreed index set), "scatter" (always the sparse
-#: reduce-scatter; hosts with an alltoall: Horovod) or "allgather" (always each rank's own pairs).
-#: Shared-index selectors (random-k) always allreduce: pass None.
-TRANSPORTS = ("auto", cost_model.AGREED, cost_model.SCATTER, cost_model.ALLGATHER)
-#: The DDP hook's default: each rank's own pairs ("auto" and "agreed" are opt-in: the agreed set at CF 10 lost
-#: 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
-DEFAULT_TRANSPORT = cost_model.ALLGATHER
-#: Horovod's default (a host with an alltoall): "auto" over the sparse reduce-scatter and the allgather, which kept
-#: the allgather's accuracy at CF 10 and 100 on 4 and 8 ranks at 0.21x dense's bytes (docs/transport-study.md).
-ALLTOALL_DEFAULT_TRANSPORT = "auto"
-
-
-def auto_candidates(alltoall: bool) -> tuple[str, str]:
-    """What ``transport="auto"`` chooses between: the allgather and the sparse reduce-scatter on a host with an
-    alltoall (Horovod; the allgather first: on 2 ranks, where the two send the same bytes, it is the one used),
-    else the agreed index set and the allgather (the DDP hook)."""
-    return (cost_model.ALLGATHER, cost_model.SCATTER) if alltoall else (cost_model.AGREED, cost_model.ALLGATHER)
-
-
-def check_transport(transport: object, *, none_ok: bool = False) -> str | None:
-    """`transport` if it is one of TRANSPORTS (or None where `none_ok`), else ValueError naming the choices."""
-    if (transport is None and none_ok) or (isinstance(transport, str) and transport in TRANSPORTS):
-        return transport
-    raise ValueError(f"transport must be one of {', '.join(repr(t) for t in TRANSPORTS)}"
-                     f"{' (or None for a shared-index compressor)' if none_ok else ''}, got {transport!r}")
-
 
 class CfPolicy(Protocol):
     """What the sparse driver needs of a compression-factor policy (GravacPolicy, StaticPolicy)."""

@@ -66,11 +66,3 @@ DRIFT_MIN_STEPS = 20
 #: A drift re-open that settles back where it was multiplies the wait before the next by this (else 2):
 #: false alarms then cost O(log steps) searches.
 FALSE_ALARM_GROWTH = 4
-
-# ---------------------------------------------------------------- transport choice (transport_choice.py)
-#: Steps each transport is timed for at a settled CF: twice the shortest CF window (a median of 4 is noise).
-TRANSPORT_WINDOW = 8
-#: Steps at the start of a transport's window that are not timed: a switch renegotiates the collectives.
-TRANSPORT_SKIP = 1
-#: Step times kept per (CF, transport) for the seconds-per-byte estimate: recent enough to follow the link.
-TRANSPORT_HISTORY = 32

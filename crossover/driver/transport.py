@@ -1,11 +1,16 @@
-"""Which transport a compressed step uses: the cost model's cheapest in bytes, unless measured time says otherwise.
+"""Every transport decision, in one vocabulary (``cost_model``'s names: dense, allreduce, allgather, agreed, scatter).
 
-Plain numbers in, decisions out, like :class:`GravacPolicy`, and identical on every rank: it is fed the same
-reduced step times as the CF policy, the CF policy's own state (settled, held CF, searches begun), and per step
-the cost model's bytes per worker of every candidate transport at the CF sent (a function of the tensors'
-sizes, k and the world size: the same on every rank). It never touches a tensor.
+* **what the user may ask for** (``TRANSPORTS``, ``QUANT_TRANSPORTS``, ``check_transport``) and each host's default;
+* **the cost-model rule** per tensor (``sparse_route``, ``quant_route``): what a tensor of this size at this k or
+  these bits sends, the fewest bytes (pure functions of sizes, k, bits and the world size: identical on every rank);
+* **the timed choice** (``TransportChoice``) of ``transport="auto"``: the cost model's cheapest in bytes, unless
+  measured step times say otherwise. Plain numbers in, decisions out, like the CF policies, and identical on every
+  rank: it is fed the same reduced step times as the CF policy, the CF policy's own state (settled, held CF,
+  searches begun), and per step the cost model's bytes per worker of every candidate transport at the CF sent.
 
-Per compressed CF:
+The codecs take the decided transport; the step session (``session.py``) asks here and hands it to them.
+
+The timed choice, per compressed CF:
 
 * **default**: the candidate with the fewest predicted bytes, the earlier candidate on a tie (for rank-specific
   top-k: the sparse reduce-scatter from 3 ranks on Horovod, the agreed index set at any W >= 2 on the DDP hook,
@@ -19,9 +24,7 @@ Per compressed CF:
   replaces it when it is no slower than omega allows;
 * a candidate predicted to send exactly the current one's bytes is the same transport in effect (the sparse
   reduce-scatter on 2 ranks is the allgather) and is not timed;
-* the decision holds until the CF policy begins another search.
-
-Tunables: ``tunables.py`` (TRANSPORT_WINDOW, TRANSPORT_SKIP, TRANSPORT_HISTORY). See docs/scaling.md.
+* the decision holds until the CF policy begins another search. See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -32,11 +35,131 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from crossover.adaptive.gravac.tunables import TRANSPORT_HISTORY, TRANSPORT_SKIP, TRANSPORT_WINDOW
 from crossover.adaptive.gravac.types import DENSE, is_real, median
+from crossover.compression import cost_model, quantize
+from crossover.compression.cost_model import AGREED, ALLGATHER, ALLREDUCE, SCATTER
+from crossover.compression.selectors import k_for
 
-__all__ = ["CfState", "TransportChoice"]
+__all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "CfState", "DEFAULT_TRANSPORT", "QUANT_TRANSPORTS", "TRANSPORTS",
+           "TransportChoice", "auto_candidates", "candidate_costs", "check_quant_transport", "check_transport",
+           "choose_transport", "quant_route", "sparse_route"]
 
+#: ``transport=`` of a rank-specific selector (top-k, DGC, RedSync): "auto" (the cost model's cheapest, then
+#: measured time: ``TransportChoice``), "agreed" (always the agreed index set), "scatter" (always the sparse
+#: reduce-scatter; hosts with an alltoall: Horovod) or "allgather" (always each rank's own pairs).
+#: Shared-index selectors (random-k) always allreduce: pass None.
+TRANSPORTS = ("auto", AGREED, SCATTER, ALLGATHER)
+#: The DDP hook's default: each rank's own pairs ("auto" and "agreed" are opt-in: the agreed set at CF 10 lost
+#: 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
+DEFAULT_TRANSPORT = ALLGATHER
+#: Horovod's default (a host with an alltoall): "auto" over the sparse reduce-scatter and the allgather, which kept
+#: the allgather's accuracy at CF 10 and 100 on 4 and 8 ranks at 0.21x dense's bytes (docs/transport-study.md).
+ALLTOALL_DEFAULT_TRANSPORT = "auto"
+#: ``transport=`` of the quantizers: "auto" (the fewer bytes of the two), packed codes by allgather, or
+#: dequantized fp16 values by allreduce.
+QUANT_TRANSPORTS = ("auto", ALLGATHER, ALLREDUCE)
+
+#: Steps each transport is timed for at a settled CF: twice the shortest CF window (a median of 4 is noise).
+TRANSPORT_WINDOW = 8
+#: Steps at the start of a transport's window that are not timed: a switch renegotiates the collectives.
+TRANSPORT_SKIP = 1
+#: Step times kept per (CF, transport) for the seconds-per-byte estimate: recent enough to follow the link.
+TRANSPORT_HISTORY = 32
+
+
+def auto_candidates(alltoall: bool) -> tuple[str, str]:
+    """What ``transport="auto"`` chooses between: the allgather and the sparse reduce-scatter on a host with an
+    alltoall (Horovod; the allgather first: on 2 ranks, where the two send the same bytes, it is the one used),
+    else the agreed index set and the allgather (the DDP hook)."""
+    return (ALLGATHER, SCATTER) if alltoall else (AGREED, ALLGATHER)
+
+
+def check_transport(transport: object, *, none_ok: bool = False) -> str | None:
+    """`transport` if it is one of TRANSPORTS (or None where `none_ok`), else ValueError naming the choices."""
+    if (transport is None and none_ok) or (isinstance(transport, str) and transport in TRANSPORTS):
+        return transport
+    raise ValueError(f"transport must be one of {', '.join(repr(t) for t in TRANSPORTS)}"
+                     f"{' (or None for a shared-index compressor)' if none_ok else ''}, got {transport!r}")
+
+
+def check_quant_transport(transport: object) -> str:
+    """`transport` if it is one of QUANT_TRANSPORTS, else ValueError naming the choices."""
+    if isinstance(transport, str) and transport in QUANT_TRANSPORTS:
+        return transport
+    raise ValueError(f"transport must be one of {', '.join(QUANT_TRANSPORTS)}; got {transport!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost-model rules, per tensor
+# ---------------------------------------------------------------------------------------------
+def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, asked: str | None = None) -> str:
+    """DENSE, ALLREDUCE, ALLGATHER, AGREED or SCATTER for a tensor of ``numel`` elements compressed to ``k``.
+
+    Shared indices sum correctly, so they always go by allreduce of k values. Rank-specific selections
+    go by ALLGATHER, or by AGREED or SCATTER when ``asked`` (the step's plan asks for it), as long as it sends
+    fewer bytes than the dense allreduce; beyond that the tensor goes dense (exact). SCATTER needs every owner
+    to hold an index (``numel >= W``) and three ranks: on two it receives the allgather's bytes in two
+    collectives instead of one, so it is the allgather there.
+    A pure function of its arguments: identical on every rank.
+    """
+    if world_size < 1 or numel < 1 or k < 1:
+        raise ValueError(f"need world_size, numel and k >= 1, got {world_size}, {numel}, {k}")
+    if asked not in (None, ALLGATHER, AGREED, SCATTER):
+        raise ValueError(f"asked must be None, {ALLGATHER!r}, {AGREED!r} or {SCATTER!r}, got {asked!r}")
+    if k >= numel:
+        return cost_model.DENSE
+    if shared_indices:
+        return ALLREDUCE
+    if asked == SCATTER and (world_size < 3 or numel < world_size):
+        asked = None
+    if asked in (AGREED, SCATTER):
+        dense = cost_model.transport_cost(cost_model.DENSE, numel, k, world_size).bytes
+        return asked if cost_model.transport_cost(asked, numel, k, world_size).bytes < dense else cost_model.DENSE
+    # the pairs alone against the dense values alone (horovod_ext/tf_compression.py's graph has the same rule)
+    if cost_model.allgather_bytes(k, world_size) < cost_model.allreduce_bytes(numel, world_size):
+        return ALLGATHER
+    return cost_model.DENSE
+
+
+def sparse_route(plan: Any, numel: int, world: int, *, shared_indices: bool, alltoall: bool) -> tuple[str, int]:
+    """(transport, k) of one tensor of ``numel`` elements in the step ``plan`` (``sent_cf``, ``probes`` and the
+    optional ``transport`` it asks for, such as the step driver's record): ``choose_transport`` at the plan's CF.
+
+    The agreed set holds k indices of the lowest level, so it serves only plans that send it; the sparse
+    reduce-scatter needs a host with an alltoall (``alltoall``). A dense step sends all ``numel`` (DENSE)."""
+    compressed = plan.sent_cf > 1
+    k = k_for(numel, plan.sent_cf) if compressed else numel
+    planned = getattr(plan, "transport", None) if compressed else None
+    if planned == AGREED and plan.sent_cf != min(cf for cf in (*plan.probes, plan.sent_cf) if cf > 1):
+        planned = None
+    if planned == SCATTER and not alltoall:
+        raise RuntimeError("crossover compression: transport 'scatter' needs a host with an alltoall (Horovod); "
+                           "use transport='allgather' or 'agreed' here")
+    return choose_transport(numel, k, world, shared_indices, planned if planned in (AGREED, SCATTER) else None), k
+
+
+def candidate_costs(numel: int, k: int, world: int, nstats: int) -> dict[str, float]:
+    """Bytes per worker of one tensor sent at k elements by each transport a rank-specific selector can use
+    (each falling back to dense where that is cheaper, as `choose_transport` does): what the timed choice weighs."""
+    out = {}
+    for kind in (AGREED, SCATTER, ALLGATHER):
+        real = choose_transport(numel, k, world, False, kind)
+        out[kind] = cost_model.transport_cost(real, numel, k, world, nstats).bytes
+    return out
+
+
+def quant_route(setting: str, numel: int, bits: int, world: int) -> str:
+    """The quantizers' transport of one tensor: the user's ``setting``, or for "auto" ALLGATHER of the packed codes
+    and their scale or ALLREDUCE of fp16 values, whichever sends fewer bytes (torch and TensorFlow alike)."""
+    if setting != "auto":
+        return setting
+    gather = cost_model.allgather_bytes(quantize.packed_nbytes(numel, bits) + 4, world, 1)
+    return ALLGATHER if gather < cost_model.allreduce_bytes(numel, world, 2) else ALLREDUCE
+
+
+# ---------------------------------------------------------------------------------------------
+# The timed choice of transport="auto"
+# ---------------------------------------------------------------------------------------------
 log = logging.getLogger("crossover.gravac")
 
 _STATE_VERSION = 1

@@ -3,7 +3,8 @@
 Each transport has `send` (build what the host reduces, start any collective of its own) and
 `receive` (turn the reduced payload, and what was gathered, into the averaged gradient). The
 statistics vector rides along: appended to summable payloads, or alone as the host's allreduce when
-the values travel by allgather. `cost_model.choose_transport` picks one per tensor and step.
+the values travel by allgather. The step session picks one per tensor and step
+(crossover/driver/transport.py).
 
 The host's reduction may average or sum, with pre/postscale factors: `receive` is told
 `weight = reduced_one / world`, the factor the host applied to a sum (1/world for Average, 1 for
@@ -24,25 +25,24 @@ from . import cost_model, kernels, scatter
 from .collectives import AlltoallCollectives, Collectives
 from .selectors import Selection
 
-__all__ = ["AGREED", "DENSE", "SCATTER", "SHARED", "GATHER", "SparseCtx", "send_dense", "send_shared",
+__all__ = ["SparseCtx", "send_dense", "send_shared",
            "send_agreed", "send_allgather", "send_scatter", "receive", "split_stats", "gather_rows"]
 
-DENSE, SHARED, GATHER = "dense", "ar", "ag"
-AGREED = "agreed"  # values at the index set agreed the step before (agreed.py), proposals by allgather
-SCATTER = "scatter"  # pairs to their owners by alltoall, the owners' largest sums by allgather (scatter.py)
+DENSE, ALLREDUCE, ALLGATHER, AGREED, SCATTER = (cost_model.DENSE, cost_model.ALLREDUCE, cost_model.ALLGATHER,
+                                                 cost_model.AGREED, cost_model.SCATTER)  # what ctx.kind says
 
 
 @dataclass
 class SparseCtx:
     """What `receive` needs to decode one tensor's reduced payload."""
 
-    kind: str  # DENSE, SHARED, GATHER, AGREED or SCATTER
+    kind: str  # DENSE, ALLREDUCE, ALLGATHER, AGREED or SCATTER
     key: str
     shape: torch.Size
     numel: int
     nstats: int
     handle: Any = None
-    idx: torch.Tensor | None = None  # the indices this rank sent (SHARED: every rank's)
+    idx: torch.Tensor | None = None  # the indices this rank sent (ALLREDUCE: every rank's)
     k: int = 0
     # to undo a non-finite step (SparseCodec.decode): references, no copies; dropped after decode
     val: torch.Tensor | None = None  # the values this rank sent
@@ -53,7 +53,7 @@ class SparseCtx:
     stats_handle: Any = None  # the host's reduction of stats_apart in flight
     gather: Any = None  # SCATTER: the allgather of the owners' kept sums, once started
     step: int = 0  # AGREED, SCATTER: the step; AGREED: the fingerprint of the set this rank used
-    bitmap: bool = False  # GATHER: every rank sent a bitmap of the tensor and k values (else k pairs)
+    bitmap: bool = False  # ALLGATHER: every rank sent a bitmap of the tensor and k values (else k pairs)
     hashes: tuple[int, int] = (0, 0)
 
 
@@ -198,7 +198,7 @@ def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch
     if ctx.kind == DENSE:
         return reduced[:ctx.numel]
     assert out is not None
-    if ctx.kind in (SHARED, AGREED):  # AGREED: the codec checks the set and waits for the proposals
+    if ctx.kind in (ALLREDUCE, AGREED):  # AGREED: the codec checks the set and waits for the proposals
         kernels.zero_scatter(out, ctx.idx, reduced[:ctx.k].contiguous())
         return out
     world = comm.size()

@@ -1,0 +1,203 @@
+"""Low-rank compression (PowerSGD, Vogels et al., NeurIPS 2019) with error feedback, for every torch host.
+
+A gradient of shape (d0, d1, ...) is the matrix M of d0 rows (conv kernels: out-channels by the rest). With a
+Q of r columns that every rank holds alike (drawn from the shared seed, then warm-started from the last step):
+
+1. P = M Q, averaged over ranks (the first allreduce, r * rows floats);
+2. P is orthonormalised (the same on every rank: the same averaged P);
+3. Q = M^T P, averaged over ranks (the second allreduce, r * cols floats);
+4. every rank applies the same P Q^T; what it leaves of M stays in the residual (error feedback), and Q is kept
+   for the next step.
+
+Both allreduces travel as the codec's own collectives, batched per step: `encode` starts each tensor's P allreduce,
+`advance` (the first `decode` of a step, or the host when it knows the step's tensors are all encoded) finishes
+them and starts every Q allreduce, and `decode` finishes its tensor. The host reduces only the statistics vector
+(`wire.SparseStatsLayout`), whose sums feed the step driver as the sparse codec's do.
+
+The rank comes from the plan's compression factor: the largest r with rows x cols >= cf x r (rows + cols), at
+least 1 and at most min(rows, cols); a tensor that rank 1 does not shrink by at least 2x goes dense.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import cost_model, kernels
+from .checks import check_seed
+from .memory import ErrorFeedback
+from .wire import SparseStatsLayout, shared_seed
+
+__all__ = ["LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
+
+#: A tensor whose rank-1 factors are not at least this many times smaller than it goes dense: below that the two
+#: round trips cost more than the bytes they save.
+MIN_SAVING = 2.0
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
+    """(rows, cols) of a gradient seen as a matrix: the first dimension by the rest; None below two dimensions."""
+    if len(shape) < 2:
+        return None
+    rows = int(shape[0])
+    cols = 1
+    for d in shape[1:]:
+        cols *= int(d)
+    return (rows, cols) if rows > 0 and cols > 0 else None
+
+
+def rank_for(rows: int, cols: int, cf: float) -> int:
+    """The rank whose factors send about 1/cf of the matrix (at least 1, at most min(rows, cols)); 0 when even rank
+    1 does not save MIN_SAVING (send dense)."""
+    if rows * cols < MIN_SAVING * (rows + cols):
+        return 0
+    r = int(rows * cols // (max(cf, 1.0) * (rows + cols)))
+    return max(1, min(r, rows, cols))
+
+
+@dataclass
+class LowRankCtx:
+    kind: str  # cost_model.DENSE or cost_model.POWERSGD
+    key: str
+    shape: torch.Size
+    numel: int
+    nstats: int
+    step: int
+    grad: torch.Tensor | None = None  # this rank's gradient (to undo a non-finite step)
+    acc: torch.Tensor | None = None  # M = gradient + residual, as a matrix (the residual's storage when it has one)
+    residual: torch.Tensor | None = None
+    q: torch.Tensor | None = None  # this step's Q (cols x r), the same on every rank
+    p_handle: Any = None
+    q_handle: Any = None
+    p: torch.Tensor | None = None  # the orthonormalised averaged P (rows x r)
+    local_finite: bool = True
+    stats_apart: torch.Tensor | None = None  # unused here (the sparse codec's dense shortcut)
+    stats_handle: Any = None
+
+
+class LowRankCodec:
+    """Rank-r factors with error feedback and a warm-started Q for float32 gradients."""
+
+    def __init__(self, *, error_feedback: bool = True, seed: int = 0) -> None:
+        self.memory = ErrorFeedback(error_feedback)
+        self.seed = check_seed(seed)
+        self.seed_check = False  # nothing is drawn per step from the seed but Q's first draw, checked by shape
+        self._q: dict[str, torch.Tensor] = {}  # key -> the last step's Q (cols x r), identical on every rank
+        self._pending: list[LowRankCtx] = []  # this step's tensors whose Q allreduce has not begun
+        self._outputs: dict[str, torch.Tensor] = {}
+
+    def forget(self) -> None:
+        """Drop the warm starts and any step in flight (elastic reset): Q is drawn again from the seed."""
+        self._q.clear()
+        self._pending = []
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, key: str, tensor: torch.Tensor, rec: Any, step_time: float, comm: Any,
+               momentum: float = 0.0) -> tuple[torch.Tensor, LowRankCtx, int]:
+        """(payload for the host's reduction, context for `decode`, bytes this rank sends) for the step `rec`
+        (``step``, ``sent_cf``, ``probes``)."""
+        numel = tensor.numel()
+        grad = tensor.detach().reshape(-1)
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        residual = self.memory.residual(key, grad)
+        acc = grad if residual is None else residual.add_(grad)
+        dims = matrix_shape(tensor.shape)
+        r = rank_for(*dims, rec.sent_cf) if dims is not None and rec.sent_cf > 1 else 0
+        grad_sq = kernels.sumsq(grad) if residual is not None else None
+        acc_sq = kernels.sumsq(acc)
+        layout = SparseStatsLayout(len(rec.probes), False)
+        ctx = LowRankCtx(kind=cost_model.DENSE, key=key, shape=tensor.shape, numel=numel, nstats=layout.length,
+                         step=rec.step, grad=grad, residual=residual,
+                         local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
+        kept_sq = acc_sq
+        if r > 0:
+            rows, cols = dims
+            m = acc.view(rows, cols)
+            q = self._warm_q(key, cols, r, rec.step, acc.device)
+            p = m @ q  # q has orthonormal columns: ||P||^2 is the part of ||M||^2 its span keeps
+            kept_sq = float(p.double().square().sum())
+            ctx.kind, ctx.acc, ctx.q = cost_model.POWERSGD, m, q
+            ctx.p_handle = comm.allreduce_async(p, f"crossover.lowrank.p.{key}")
+            self._pending = [c for c in self._pending if c.step == rec.step] + [ctx]
+        stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
+                                          acc_sq=acc_sq, probe_sq=[kept_sq for _ in rec.probes], momentum=momentum),
+                             dtype=torch.float32, device=grad.device)
+        if ctx.kind == cost_model.DENSE:
+            payload = torch.cat([acc, stats])
+            if residual is not None:
+                residual.zero_()  # the residual went out whole
+            return payload, ctx, payload.numel() * 4
+        return stats, ctx, (r * (dims[0] + dims[1]) + stats.numel()) * 4
+
+    def _warm_q(self, key: str, cols: int, r: int, step: int, device: torch.device) -> torch.Tensor:
+        """Last step's Q for `key`, or one drawn from the shared seed (the same on every rank) when there is none
+        of this shape."""
+        q = self._q.get(key)
+        if q is not None and q.shape == (cols, r) and q.device == device:
+            return q
+        gen = torch.Generator().manual_seed(shared_seed(self.seed, step, key) & 0x7FFF_FFFF_FFFF_FFFF)
+        return _orthonormal(torch.randn(cols, r, generator=gen).to(device))
+
+    # ------------------------------------------------------------------ decode
+    def advance(self, comm: Any) -> None:
+        """Finish every P allreduce of the step begun and start the Q allreduces, in encode order (call it on every
+        rank alike; `decode` does when it finds its tensor's Q not begun)."""
+        todo, self._pending = self._pending, []
+        for c in todo:
+            c.p = _orthonormal(comm.wait(c.p_handle))
+            c.p_handle = None
+            c.q_handle = comm.allreduce_async(c.acc.t() @ c.p, f"crossover.lowrank.q.{c.key}")
+
+    def decode(self, reduced: torch.Tensor, ctx: LowRankCtx, comm: Any,
+               stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the averaged gradient in the tensor's shape, the reduced statistics vector).
+
+        Non-finite reduced statistics (inf/NaN on some rank, the same on every rank) decode to NaN everywhere and
+        leave no trace: the residual goes back to what it was (zeros where this rank's own gradient was not
+        finite, or its payload was dense) and Q keeps its warm start."""
+        stats = reduced[-ctx.nstats:] if stats is None else stats
+        one = float(stats[0])
+        finite = bool(torch.isfinite(stats).all())
+        if ctx.kind == cost_model.DENSE:
+            out = reduced[:ctx.numel]
+        else:
+            if ctx.q_handle is None:
+                self.advance(comm)
+            q = comm.wait(ctx.q_handle)
+            out = self._outputs.get(ctx.key)
+            if out is None or out.numel() != ctx.numel or out.device != reduced.device:
+                out = self._outputs[ctx.key] = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
+            approx = out.view(ctx.acc.shape)
+            torch.matmul(ctx.p, q.t(), out=approx)  # the average over ranks of M, in the span of P
+            if finite:
+                self._q[ctx.key] = _orthonormal(q)  # the next step's warm start, the same on every rank
+                if ctx.residual is not None:
+                    ctx.acc.sub_(approx)  # what this rank's M has left: error feedback
+            if one != 1.0:
+                out.mul_(one)  # the host summed (or scaled): as the sparse codec, the same factor
+        if not finite:
+            self._undo(ctx)
+            out.fill_(float("nan"))
+        ctx.grad = ctx.acc = ctx.residual = ctx.p = ctx.q = None
+        return out.view(ctx.shape), stats
+
+    @staticmethod
+    def _undo(ctx: LowRankCtx) -> None:
+        """The residual as before `encode`: M - grad where both were finite and M was not sent whole, else zeros."""
+        res = ctx.residual
+        if res is None:
+            return
+        if not ctx.local_finite or ctx.kind == cost_model.DENSE:
+            res.zero_()
+        else:
+            res.sub_(ctx.grad)
+
+
+def _orthonormal(m: torch.Tensor) -> torch.Tensor:
+    """Columns of `m` made orthonormal (Householder QR: stable where a column is nearly dependent; deterministic, so
+    the same on every rank from the same averaged input)."""
+    return torch.linalg.qr(m, mode="reduced").Q

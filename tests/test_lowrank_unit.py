@@ -1,0 +1,133 @@
+"""The low-rank codec (crossover/compression/lowrank_codec.py) on simulated ranks whose gradients differ on purpose:
+every rank applies the same average, error feedback loses nothing, a full rank is exact, inf/NaN leaves no trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from crossover.adaptive.static import StaticPolicy
+from crossover.compression.collectives import SimulatedGroup
+from crossover.compression.lowrank_codec import LowRankCodec, matrix_shape, rank_for
+from crossover.driver import SparseStepDriver, StepRecord
+from crossover.driver.session import LOWRANK, LowRankSession, cf_session, check_compressor
+
+
+def _step(codecs: list[LowRankCodec], grads: list[torch.Tensor], step: int, cf: float,
+          group: SimulatedGroup) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rec = StepRecord(step=step, sent_cf=cf, probes=(cf,))
+    views = [group.rank_view(r) for r in range(len(codecs))]
+    enc = [c.encode("w", g.clone(), rec, 0.01, v) for c, g, v in zip(codecs, grads, views)]
+    reduced = torch.stack([e[0] for e in enc]).mean(0)
+    for c, v in zip(codecs, views):
+        c.advance(v)  # every rank starts its Q allreduce before any waits on it (the ranks run in turn here)
+    return [c.decode(reduced.clone(), e[1], v) for c, e, v in zip(codecs, enc, views)]
+
+
+def _grads(world: int, step: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step)
+    return [torch.randn(shape, generator=gen) * (r + 1) + r for r in range(world)]
+
+
+def test_matrix_shape_and_rank():
+    assert matrix_shape(torch.Size((64, 3, 3, 3))) == (64, 27)
+    assert matrix_shape(torch.Size((10,))) is None
+    assert rank_for(256, 512, 100.0) == 1
+    assert rank_for(256, 512, 10.0) == 17  # 256 * 512 / (10 * (256 + 512)) = 17.07
+    assert rank_for(3, 3, 10.0) == 0  # rank 1 would save less than 2x: dense
+    assert rank_for(2, 1000, 1.5) == 0  # rank 1 sends 1002 of 2000 floats
+    assert rank_for(4, 1000, 1.5) == 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_applies_the_same_average_and_error_feedback_loses_nothing(world):
+    shape, cf = (64, 96), 20.0
+    group = SimulatedGroup(world)
+    codecs = [LowRankCodec(seed=5) for _ in range(world)]
+    sent_total = torch.zeros(shape)
+    grad_total = torch.zeros(shape)
+    for step in range(1, 6):
+        grads = _grads(world, step, shape)
+        outs = _step(codecs, grads, step, cf, group)
+        for out, _ in outs[1:]:
+            assert torch.equal(out, outs[0][0])  # bit for bit on every rank
+        sent_total += outs[0][0]
+        grad_total += sum(grads) / world
+        residual_mean = sum(c.memory.get("w").view(shape) for c in codecs) / world
+        torch.testing.assert_close(sent_total + residual_mean, grad_total, rtol=1e-4, atol=1e-4)
+        stats = outs[0][1]
+        assert float(stats[0]) == pytest.approx(1.0)
+
+
+def test_an_average_of_lower_rank_than_the_factors_is_exact():
+    """Ranks whose gradients differ but share a rank-2 row space: rank 3 factors carry their average exactly."""
+    world, rows, cols = 3, 30, 40
+    b = torch.randn(2, cols)
+    grads = [torch.randn(rows, 2, generator=torch.Generator().manual_seed(r)) @ b for r in range(world)]
+    group = SimulatedGroup(world)
+    codecs = [LowRankCodec(seed=1) for _ in range(world)]
+    outs = _step(codecs, grads, 1, rows * cols / (3 * (rows + cols)), group)  # rank 3
+    torch.testing.assert_close(outs[0][0], sum(grads) / world, rtol=1e-4, atol=1e-4)
+
+
+def test_warm_start_converges_to_the_leading_subspace():
+    """A fixed rank-2 gradient: after a few warm-started steps rank 2 reconstructs it (power iteration)."""
+    world, rows, cols = 2, 40, 50
+    u, v = torch.randn(rows, 2), torch.randn(cols, 2)
+    target = u @ v.t()
+    group = SimulatedGroup(world)
+    codecs = [LowRankCodec(error_feedback=False, seed=2) for _ in range(world)]
+    cf = rows * cols / (2 * (rows + cols)) - 1  # rank 2
+    for step in range(1, 5):
+        outs = _step(codecs, [target.clone() for _ in range(world)], step, cf, group)
+    torch.testing.assert_close(outs[0][0], target, rtol=1e-3, atol=1e-3)
+
+
+def test_a_nonfinite_gradient_decodes_nan_everywhere_and_leaves_no_trace():
+    world, shape, cf = 2, (32, 48), 10.0
+    group = SimulatedGroup(world)
+    codecs = [LowRankCodec(seed=3) for _ in range(world)]
+    _step(codecs, _grads(world, 1, shape), 1, cf, group)
+    residuals = [c.memory.get("w").clone() for c in codecs]
+    warm = [c._q["w"].clone() for c in codecs]
+    grads = _grads(world, 2, shape)
+    grads[1][3, 4] = float("inf")
+    outs = _step(codecs, grads, 2, cf, group)
+    for out, stats in outs:
+        assert torch.isnan(out).all() and not math.isfinite(float(stats.sum()))
+    torch.testing.assert_close(codecs[0].memory.get("w"), residuals[0])  # put back as it was
+    assert bool((codecs[1].memory.get("w") == 0).all())  # its own gradient was not finite: zeros
+    for c, q in zip(codecs, warm):
+        assert torch.equal(c._q["w"], q)  # the warm start is untouched
+
+
+def test_vectors_and_small_matrices_go_dense_with_their_statistics():
+    world = 2
+    group = SimulatedGroup(world)
+    codecs = [LowRankCodec() for _ in range(world)]
+    rec = StepRecord(step=1, sent_cf=10.0, probes=(10.0,))
+    views = [group.rank_view(r) for r in range(world)]
+    enc = [c.encode("b", torch.full((50,), float(r)), rec, 0.0, v) for r, (c, v) in enumerate(zip(codecs, views))]
+    reduced = torch.stack([e[0] for e in enc]).mean(0)
+    out, _ = codecs[0].decode(reduced, enc[0][1], views[0])
+    assert torch.equal(out, torch.full((50,), 0.5))
+
+
+def test_the_session_and_the_compressor_name():
+    assert check_compressor(LOWRANK, adaptive=False) == LOWRANK
+    with pytest.raises(ValueError, match="fixed CF"):
+        check_compressor(LOWRANK, adaptive=True)
+    with pytest.raises(ValueError, match="compressor must be one of"):
+        check_compressor("zip", adaptive=False)
+    session = cf_session(LOWRANK, StaticPolicy(cf=10.0), error_feedback=True, seed=0, log_csv=None,
+                         rank=lambda: 0, transport="allgather", alltoall=True, fixed_gather=True, momentum=0.9,
+                         unknown_momentum=0.0, clock=lambda: 0.0)
+    assert isinstance(session, LowRankSession) and isinstance(session.driver, SparseStepDriver)
+    group = SimulatedGroup(1)
+    comm = group.rank_view(0)
+    session.begin_step(comm)
+    payload, ctx = session.encode("w", torch.randn(64, 64), comm)
+    out = session.decode(payload.clone(), ctx, comm)
+    assert out.shape == (64, 64) and session.stats()["bytes_sent"] * 5 < session.stats()["bytes_dense"]
