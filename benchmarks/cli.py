@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--timeout", type=_positive_float, default=3600.0, help="seconds before the job is killed")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None,
-                   help="results folder (default results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH)")
+                   help="results folder, relative to the current directory (default "
+                        "results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH)")
     o.add_argument("--json", default=None, help="results JSON path (default OUT/results.json)")
     o.add_argument("--csv", default=None, help="per-step CSV path (default OUT/steps.csv; epochs: OUT/epochs.csv)")
     o.add_argument("--no-plots", action="store_true", help="write no PNGs")
@@ -471,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     validate(p, a)
-    out = Path(a.out) if a.out else default_out(a)
+    # absolute: the ranks run in the repository (horovodrun's cwd), not in the caller's directory
+    out = (Path(a.out) if a.out else default_out(a)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = ["jobA", "jobB"] if a.crossover else a.side_by_side or ["job"]
     configs: dict[str, Path] = {}

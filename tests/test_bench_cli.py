@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,6 +177,18 @@ def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
     # a poll that first sees the job already done prints the done line only (6 steps can take 0.3 s)
     assert progress and progress[-1].startswith("job: done, 6/6 steps in "), proc.stdout
     assert all(line.startswith("job: step ") for line in progress[:-1]), proc.stdout
+
+
+def test_relative_out_from_another_directory(tmp_path: Path) -> None:
+    """Issue 44: a relative --out made every rank fail on config.json (the ranks run in the repository, not in the
+    caller's directory)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cli", "--model", "mlp", "--width", "0.25", "--dataset",
+                           "digits", "--compression", "none", "--epochs", "1", "--steps-per-epoch", "3", "--warmup",
+                           "1", "--no-plots", "--out", "rel/out"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = check_run(tmp_path / "rel" / "out", steps=3, epochs=1, plots=())
+    assert res["config"]["out"] == str((tmp_path / "rel" / "out").resolve())
 
 
 def test_tiny_mnist_cnn_run_with_adam_and_warmup_cosine(tmp_path: Path) -> None:
