@@ -134,6 +134,9 @@ class _Broken:
     (_Keras(initial_accumulator_value=0.1), 0.0),            # Adagrad: none
     (_Keras(momentum=_Var(0.8)), 0.8),                       # a variable
     (_Keras(inner_optimizer=_Keras(momentum=0.9)), 0.9),     # mixed precision's LossScaleOptimizer
+    (_Keras(beta_1=1.0), 1.0),                               # Keras takes momentum in [0, 1]
+    (_Keras(momentum=np.float32(0.9)), 0.9),
+    (_Keras(momentum=_Var(np.float32(0.5))), 0.5),
 ])
 def test_a_keras_optimizer_momentum_or_beta_1_counts(opt, expected):
     from crossover.driver import keras_optimizer_momentum
@@ -141,8 +144,31 @@ def test_a_keras_optimizer_momentum_or_beta_1_counts(opt, expected):
     assert keras_optimizer_momentum(opt) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("opt", [_Keras(momentum=lambda: 0.9), _Keras(momentum=float("nan")), _Keras(beta_1=1.0),
-                                 _Keras(momentum="0.9x"), _Broken()])
+class _RaisingInner:
+    """A LossScaleOptimizer-like wrapper whose inner_optimizer property raises (not an AttributeError)."""
+
+    momentum = 0.0
+
+    @property
+    def inner_optimizer(self) -> object:
+        raise RuntimeError("no inner optimizer here")
+
+
+class _BadFloat:
+    def __float__(self) -> float:
+        raise RuntimeError("cannot convert")
+
+
+class _BadNumpy:
+    def numpy(self) -> float:
+        raise RuntimeError("symbolic tensor")
+
+
+@pytest.mark.parametrize("opt", [_Keras(momentum=lambda: 0.9), _Keras(momentum=float("nan")), _Keras(momentum=-0.1),
+                                 _Keras(momentum="0.9x"), _Keras(momentum="0.9"), _Broken(),
+                                 _RaisingInner(), _Keras(momentum=10 ** 400), _Keras(beta_1=-(10 ** 400)),
+                                 _Keras(momentum=_BadFloat()), _Keras(beta_1=_BadNumpy()),
+                                 _Keras(inner_optimizer=_Broken()), _Keras(momentum=_Var(_BadFloat()))])
 def test_a_keras_momentum_that_cannot_be_read_is_unknown(opt):
     # None: the TF object keeps UNKNOWN_MOMENTUM (0.9), the safe side, rather than reading 0 and lifting the cap
     from crossover.driver import keras_optimizer_momentum

@@ -129,30 +129,29 @@ def keras_optimizer_momentum(opt: Any) -> float | None:
     when it has one that cannot be read as a number (the caller then keeps the safe ``UNKNOWN_MOMENTUM``).
 
     SGD-style ``momentum`` (SGD, RMSprop) and Adam's ``beta_1`` (Adam, AdamW, Nadam, Adamax) count alike, as in
-    :func:`optimizer_momentum`; a mixed-precision ``LossScaleOptimizer`` is read through its ``inner_optimizer``; an
-    optimizer with neither attribute (Adagrad, Ftrl) has none (0).
+    :func:`optimizer_momentum` (numbers of any kind, :func:`momentum_value`); a mixed-precision ``LossScaleOptimizer``
+    is read through its ``inner_optimizer``; an optimizer with neither attribute (Adagrad, Ftrl) has none (0).
+    Never raises: whatever reading the optimizer raises (a property, ``__float__``, ``numpy()``) reads as None.
     """
+    try:
+        return _keras_momentum(opt)
+    except Exception:  # noqa: BLE001 - a foreign object's attribute or conversion failed: unreadable
+        return None
+
+
+def _keras_momentum(opt: Any) -> float | None:
     inner = getattr(opt, "inner_optimizer", None)
     if inner is not None and inner is not opt:
         opt = inner
     best = 0.0
     for name in ("momentum", "beta_1"):
-        try:
-            value = getattr(opt, name, None)
-        except Exception:  # noqa: BLE001 - present (not an AttributeError) but unreadable
-            return None
+        value = getattr(opt, name, None)
         if value is None:
             continue
-        if hasattr(value, "numpy"):  # a tf.Variable or an eager tensor
-            try:
-                value = value.numpy()
-            except Exception:  # noqa: BLE001 - symbolic, inside a graph
-                return None
-        try:
-            m = float(value)
-        except (TypeError, ValueError):  # a schedule or another object: present, unreadable
-            return None
-        if not 0.0 <= m < 1.0:  # NaN fails both comparisons
+        if hasattr(value, "numpy"):  # a tf.Variable or an eager tensor (symbolic inside a graph: raises)
+            value = value.numpy()
+        m = momentum_value(value)
+        if m is None:
             return None
         best = max(best, m)
     return best
