@@ -10,9 +10,9 @@ from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.compression.checks import check_flag
 from crossover.driver.sparse import CfPolicy
 
-__all__ = ["DQSGD_PARAMS", "UNKNOWN_MOMENTUM", "GradientKeys", "check_min_numel", "check_momentum", "dqsgd_settings",
-           "gravac_or_dense", "keras_optimizer_momentum", "lr_at", "momentum_value", "optimizer_momentum",
-           "reported_momentum"]
+__all__ = ["DQSGD_DEFAULTS", "DQSGD_PARAMS", "UNKNOWN_MOMENTUM", "GradientKeys", "check_min_numel", "check_momentum",
+           "dqsgd_settings", "gravac_or_dense", "keras_optimizer_momentum", "lr_at", "momentum_value",
+           "optimizer_momentum", "reported_momentum"]
 
 
 class GradientKeys:
@@ -174,6 +174,10 @@ def gravac_or_dense(enabled: bool, **params: Any) -> CfPolicy:
 
 DQSGD_PARAMS = ("total_steps, lr, error_budget, target_bits, b_min, b_max, decay, error_feedback, "
                 "min_compress_numel, seed, transport, tensorboard")
+#: The defaults of DqsgdCompression's DQ-SGD settings (both frameworks'): what `dqsgd_settings` checks when a setting
+#: is not given (`crossover.AdaptiveCompression(policy="dqsgd", ...)` before the framework is known).
+DQSGD_DEFAULTS: dict[str, Any] = {"lr": None, "error_budget": None, "target_bits": 6, "b_min": 2, "b_max": 8,
+                                  "decay": 0.999}
 
 
 def dqsgd_settings(*, total_steps: object, lr: object, error_budget: float | None, target_bits: object,
