@@ -33,11 +33,15 @@ setup(
               BENCH, *(f"{BENCH}.{p}" for p in find_packages("benchmarks"))],
     package_dir={BENCH: "benchmarks"},
     package_data={"crossover.compression": ["*.c"]},  # the C kernels are compiled on first use
-    install_requires=["numpy", "psutil", "torch"],
+    # torch is an extra: the TensorFlow path (crossover.tensorflow, crossover-run) imports none. A horovod.torch user
+    # has torch already (Horovod's torch ops are built against it); `pip install .[torch]` pulls it in otherwise.
+    install_requires=["numpy", "psutil"],
     extras_require={
+        "torch": ["torch"],
         "tensorflow": ["tensorflow", "tf-keras"],
-        "benchmarks": ["matplotlib", "tqdm", "scikit-learn", "pillow", "mlxtend"],
-        "test": ["pytest", "pytest-timeout", "scikit-learn"],
+        "tensorboard": ["tensorboard"],  # tensorboard="DIR" writes event files with it
+        "benchmarks": ["torch", "matplotlib", "tqdm", "scikit-learn", "pillow", "mlxtend"],
+        "test": ["torch", "pytest", "pytest-timeout", "scikit-learn"],
     },
     entry_points={"console_scripts": [
         f"crossover-netem={BENCH}.netem.cli:main",

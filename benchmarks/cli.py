@@ -31,6 +31,7 @@ from crossover import procgroup
 from . import registry
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_HOSTS = 2  # without --hosts or -np: 2 hosts x 1 rank
 
 # per-workload defaults: batch size per rank, learning rate (SGD), momentum, weight decay, gradient clipping;
 # adam_lr: the learning rate of --optimizer adam/adamw (1e-3 is Adam's published default and trains every
@@ -186,9 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-compress-numel", type=_positive_int, default=None,
                    help="tensors smaller than this go dense (default: the compression object's, 16384)")
     n = p.add_argument_group("cluster")
-    n.add_argument("--hosts", type=_positive_int, default=2, help="hosts (emulated with --bandwidth; default 2)")
-    n.add_argument("-np", "--np", dest="np", type=_positive_int, default=1, metavar="N",
-                   help="ranks per host (default 1; ranks in all: --hosts x -np)")
+    n.add_argument("--hosts", type=_positive_int, default=None,
+                   help="hosts the ranks are spread over, evenly (emulated with --bandwidth; default: one per rank "
+                        "of -np, else 2)")
+    n.add_argument("-np", "--np", dest="np", type=_positive_int, default=None, metavar="N",
+                   help="ranks in all, as horovodrun's -np (not per host): -np 4 --hosts 2 is 2 hosts x 2 ranks; "
+                        "-np 4 alone is 4 hosts x 1 rank (default: one rank per host)")
     n.add_argument("--bandwidth", default=None,
                    help="link rate of every emulated host, tc units (100mbit, 1gbit, 10gbit); needs root")
     n.add_argument("--delay", default=None, help="one-way link delay (e.g. 1ms); needs the kernel's netem qdisc")
@@ -203,12 +207,33 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--timeout", type=_positive_float, default=3600.0, help="seconds before the job is killed")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None,
-                   help="results folder (default results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH)")
+                   help="results folder, relative to the current directory (default "
+                        "results/bench/MODEL-DATASET-METHOD-HOSTSxRANKS_PER_HOST-BANDWIDTH)")
     o.add_argument("--json", default=None, help="results JSON path (default OUT/results.json)")
     o.add_argument("--csv", default=None, help="per-step CSV path (default OUT/steps.csv; epochs: OUT/epochs.csv)")
     o.add_argument("--no-plots", action="store_true", help="write no PNGs")
     o.add_argument("-v", "--verbose", action="store_true", help="show every rank's output live")
     return p
+
+
+def layout(a: argparse.Namespace) -> tuple[int, int]:
+    """(hosts, ranks per host) of the job: -np is the total number of ranks (horovodrun's meaning), spread evenly
+    over --hosts; -np alone puts one rank on each host, --hosts alone one rank per host, neither 2 hosts x 1."""
+    if a.np is None:
+        return a.hosts or DEFAULT_HOSTS, 1
+    hosts = a.hosts or a.np
+    return hosts, max(1, a.np // hosts)
+
+
+def _check_layout(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.np is not None and a.hosts is not None and a.np % a.hosts:
+        per_host = max(1, round(a.np / a.hosts))
+        p.error(f"-np {a.np} does not spread evenly over --hosts {a.hosts}: -np is the total number of ranks (as "
+                f"in horovodrun), so give a multiple of --hosts (e.g. -np {a.hosts * per_host} for {per_host} "
+                f"rank(s) per host), or leave out --hosts for one rank per host")
+    hosts, per_host = layout(a)
+    if hosts * per_host < 2:
+        p.error("a single rank sends no gradients: use at least 2 ranks (-np 2, or --hosts 2)")
 
 
 def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -232,8 +257,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--vocab-size applies to --dataset ptb --data synthetic, and must be >= 2")
     if a.tie_weights and a.model != "lstm":
         p.error("--tie-weights applies to --model lstm only")
-    if a.hosts * a.np < 2:
-        p.error("a single rank sends no gradients: use at least 2 ranks (--hosts 2, or -np 2)")
+    _check_layout(p, a)
     if a.side_by_side and (a.crossover or a.label or a.json or a.csv):
         p.error("--side-by-side writes one folder per method under --out: it takes no --crossover, --label, --json "
                 "or --csv")
@@ -248,7 +272,7 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             netem.parse_rate(a.bandwidth)
         except ValueError as exc:
             p.error(f"--bandwidth: {exc}")
-        if a.hosts < 2:
+        if layout(a)[0] < 2:
             p.error("--bandwidth emulates links between hosts: use --hosts 2 or more")
         reason = netem.netem_unavailable_reason()
         if reason:
@@ -282,9 +306,10 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def default_out(a: argparse.Namespace) -> Path:
-    """results/bench/MODEL-DATASET-METHOD-HOSTSxNP-BANDWIDTH[-crossover]."""
+    """results/bench/MODEL-DATASET-METHOD-HOSTSxRANKS_PER_HOST-BANDWIDTH[-crossover]."""
     method = "+".join(method_dir(m) for m in a.side_by_side) if a.side_by_side else method_dir(a.compression)
-    name = f"{a.model}-{a.dataset}-{method}-{a.hosts}x{a.np}-{a.bandwidth or 'loopback'}"
+    hosts, per_host = layout(a)
+    name = f"{a.model}-{a.dataset}-{method}-{hosts}x{per_host}-{a.bandwidth or 'loopback'}"
     return Path("results") / "bench" / (name + ("-crossover" if a.crossover else ""))
 
 
@@ -293,6 +318,7 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     d = DEFAULTS[_family(a.model)]
     sgd = a.optimizer == "sgd"
     pin = a.pin == "yes" or (a.pin == "auto" and a.crossover)
+    hosts, per_host = layout(a)
     cfg = {
         "model": a.model, "dataset": a.dataset, "data": a.data, "width": a.width, "image_size": a.image_size,
         "num_classes": a.num_classes, "vocab_size": a.vocab_size, "synthetic_size": a.synthetic_size,
@@ -308,7 +334,8 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         "label": a.label,
         "gravac_epsilon": a.gravac_epsilon, "gravac_window": a.gravac_window, "gravac_cf_min": a.gravac_cf_min,
         "gravac_cf_max": a.gravac_cf_max, "gravac_compressor": a.gravac_compressor,
-        "min_compress_numel": a.min_compress_numel, "hosts": a.hosts, "np": a.np, "bandwidth": a.bandwidth,
+        "min_compress_numel": a.min_compress_numel, "hosts": hosts, "np": hosts * per_host,
+        "ranks_per_host": per_host, "bandwidth": a.bandwidth,
         "delay": a.delay, "crossover": a.crossover, "scheduler": a.crossover and not a.no_scheduler, "pin": pin,
         "threads": a.threads, "out": str(out.resolve()),
     }
@@ -366,17 +393,18 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
     """Start one Horovod job per config (two at once with --crossover); return each job's exit status."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS=str(a.threads))
+    hosts, per_host = layout(a)
     if a.cycle_time_ms:
         env["HOROVOD_CYCLE_TIME"] = f"{a.cycle_time_ms:g}"
     if a.crossover:
         env["BENCH_GATE_DIR"] = str(work / "gate")
-        env["BENCH_GATE_N"] = str(len(configs) * a.hosts * a.np)
+        env["BENCH_GATE_N"] = str(len(configs) * hosts * per_host)
     results: dict[str, int] = {}
     cluster: Any = None
     if a.bandwidth:
         from . import netem
 
-        cluster = netem.EmulatedCluster(a.hosts, a.bandwidth, a.delay)
+        cluster = netem.EmulatedCluster(hosts, a.bandwidth, a.delay)
     try:
         sched = work / "sched"
         if a.crossover and not a.no_scheduler:
@@ -386,8 +414,8 @@ def launch(a: argparse.Namespace, configs: dict[str, Path], work: Path) -> dict[
 
         def run_job(cmd: list[str], job_env: dict[str, str], log: Path) -> int:
             if cluster is not None:
-                return _run_netem(cluster, a.np, cmd, job_env, log, a.timeout, a.verbose)
-            return _run_horovodrun(a.hosts * a.np, cmd, job_env, log, a.timeout, a.verbose)
+                return _run_netem(cluster, per_host, cmd, job_env, log, a.timeout, a.verbose)
+            return _run_horovodrun(hosts * per_host, cmd, job_env, log, a.timeout, a.verbose)
 
         def one(name: str, cfg: Path) -> None:
             job_env = dict(env)
@@ -471,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     validate(p, a)
-    out = Path(a.out) if a.out else default_out(a)
+    # absolute: the ranks run in the repository (horovodrun's cwd), not in the caller's directory
+    out = (Path(a.out) if a.out else default_out(a)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = ["jobA", "jobB"] if a.crossover else a.side_by_side or ["job"]
     configs: dict[str, Path] = {}
@@ -492,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(work)
     work.mkdir()
     methods = ",".join(a.side_by_side or [a.compression])
-    print(f"crossover-bench: {a.model} / {a.dataset} / {methods} on {a.hosts} host(s) x {a.np} rank(s), "
+    hosts, per_host = layout(a)
+    print(f"crossover-bench: {a.model} / {a.dataset} / {methods} on {hosts} host(s) x {per_host} rank(s), "
           f"{a.bandwidth or 'loopback (unshaped)'}{', crossover x2' if a.crossover else ''}; output in {out}",
           flush=True)
     started = time.time()

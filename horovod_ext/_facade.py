@@ -14,9 +14,22 @@ from typing import Any, ClassVar
 from crossover.driver import DQSGD_PARAMS
 from horovod_ext._class_guard import CompressionType
 
-__all__ = ["AdaptiveFacade", "POLICIES"]
+__all__ = ["AdaptiveFacade", "POLICIES", "check_policy", "dqsgd_call_error"]
 
 POLICIES = ("gravac", "dqsgd")
+
+
+def check_policy(policy: object, args: tuple[Any, ...]) -> None:
+    """`policy=` is one of POLICIES, and DQ-SGD got no positional argument; ValueError saying what to pass."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if policy == "dqsgd" and args:
+        raise ValueError("policy='dqsgd' quantizes: it takes no compressor name")
+
+
+def dqsgd_call_error(exc: TypeError) -> ValueError:
+    """A DQ-SGD call with a missing or unknown setting, as the ValueError that names DQ-SGD's settings."""
+    return ValueError(f"policy='dqsgd': {exc} (DQ-SGD takes {DQSGD_PARAMS})")
 
 
 class AdaptiveFacade(metaclass=CompressionType):
@@ -26,17 +39,14 @@ class AdaptiveFacade(metaclass=CompressionType):
     _dqsgd: ClassVar[type]
 
     def __init__(self, *args: Any, policy: str = "gravac", **settings: Any) -> None:
+        check_policy(policy, args)
         if policy == "gravac":
             impl: Any = self._gravac(*args, **settings)
-        elif policy == "dqsgd":
-            if args:
-                raise ValueError("policy='dqsgd' quantizes: it takes no compressor name")
+        else:
             try:
                 impl = self._dqsgd(**settings)
             except TypeError as exc:
-                raise ValueError(f"policy='dqsgd': {exc} (DQ-SGD takes {DQSGD_PARAMS})") from None
-        else:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+                raise dqsgd_call_error(exc) from None
         object.__setattr__(self, "_impl", impl)
         object.__setattr__(self, "compress", impl.compress)
         object.__setattr__(self, "decompress", impl.decompress)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,29 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_np_is_accepted_with_one_or_two_dashes() -> None:
     base = ["--model", "mlp", "--dataset", "digits", "--hosts", "2"]
-    assert cli.build_parser().parse_args([*base, "-np", "3"]).np == 3
-    assert cli.build_parser().parse_args([*base, "--np", "3"]).np == 3
+    assert cli.build_parser().parse_args([*base, "-np", "4"]).np == 4
+    assert cli.build_parser().parse_args([*base, "--np", "4"]).np == 4
+
+
+@pytest.mark.parametrize("args, hosts, per_host", [
+    ([], 2, 1), (["--hosts", "3"], 3, 1), (["-np", "2"], 2, 1), (["-np", "4"], 4, 1),
+    (["-np", "4", "--hosts", "2"], 2, 2), (["-np", "2", "--hosts", "1"], 1, 2),
+])
+def test_np_is_the_total_number_of_ranks_as_in_horovodrun(args: list[str], hosts: int, per_host: int) -> None:
+    # issue 44: -np 2 was 2 ranks per host (4 ranks on the default 2 hosts), unlike horovodrun and crossover-run
+    a = cli.build_parser().parse_args(["--model", "mlp", "--dataset", "digits", *args])
+    cli.validate(cli.build_parser(), a)
+    assert cli.layout(a) == (hosts, per_host)
+    cfg = cli.make_config(a, cli.Path("/tmp/unused"))
+    assert (cfg["hosts"], cfg["np"], cfg["ranks_per_host"]) == (hosts, hosts * per_host, per_host)
+    assert cli.default_out(a).name.endswith(f"-{hosts}x{per_host}-loopback")
+
+
+def test_help_says_np_is_the_total(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ranks in all, as horovodrun's -np (not per host)" in out
 
 
 def test_version_prints_crossovers_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,6 +115,9 @@ BAD = [
     (["--model", "resnet18", *SYN, "--batch-size", "0"], "--batch-size: must be >= 1"),
     (["--model", "resnet18", *SYN, "--lr", "-0.1"], "--lr: must be a finite number > 0"),
     (["--model", "resnet18", *SYN, "--hosts", "1"], "at least 2 ranks"),
+    (["--model", "resnet18", *SYN, "-np", "1"], "at least 2 ranks"),
+    (["--model", "resnet18", *SYN, "-np", "3", "--hosts", "2"], "-np 3 does not spread evenly over --hosts 2"),
+    (["--model", "resnet18", *SYN, "-np", "2", "--hosts", "4"], "give a multiple of --hosts"),
     (["--model", "resnet18", *SYN, "--image-size", "64"], "--image-size applies to --dataset imagenet"),
     (["--model", "resnet18", *SYN, "--tie-weights"], "--tie-weights applies to --model lstm"),
     (["--model", "resnet18", *SYN, "--no-scheduler"], "only makes sense with --crossover"),
@@ -176,6 +201,19 @@ def test_tiny_run_on_horovodrun(tmp_path: Path) -> None:
     # a poll that first sees the job already done prints the done line only (6 steps can take 0.3 s)
     assert progress and progress[-1].startswith("job: done, 6/6 steps in "), proc.stdout
     assert all(line.startswith("job: step ") for line in progress[:-1]), proc.stdout
+
+
+def test_relative_out_and_np_as_the_total_from_another_directory(tmp_path: Path) -> None:
+    """Issue 44: a relative --out made every rank fail on config.json (the ranks run in the repository, not in the
+    caller's directory), and -np 2 started 4 ranks (2 per host on the default 2 hosts)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cli", "--model", "mlp", "--width", "0.25", "--dataset",
+                           "digits", "--compression", "none", "--epochs", "1", "--steps-per-epoch", "3", "--warmup",
+                           "1", "--no-plots", "-np", "2", "--out", "rel/out"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = check_run(tmp_path / "rel" / "out", steps=3, epochs=1, plots=())  # 2 ranks
+    assert res["config"]["out"] == str((tmp_path / "rel" / "out").resolve())
+    assert (res["config"]["hosts"], res["config"]["np"]) == (2, 2)
 
 
 def test_tiny_mnist_cnn_run_with_adam_and_warmup_cosine(tmp_path: Path) -> None:

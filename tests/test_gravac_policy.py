@@ -992,6 +992,15 @@ def test_momentum_caps_the_ladder_at_cf_max_times_one_minus_m() -> None:
     assert _drive_with_momentum(big, 200, lambda t: 0.9)[-1] == 100.0  # 1000 x 0.1
 
 
+def test_momentum_one_caps_the_ladder_at_cf_min_and_saves() -> None:
+    # Issue 45: momentum 1.0 (torch and Keras accept it) read as "no momentum reported" and lifted the cap
+    policy = GravacPolicy()
+    sent = _drive_with_momentum(policy, 200, lambda t: 1.0)
+    assert max(sent[1:]) == 10.0 and policy.summary()["momentum"] == 1.0
+    restored = GravacPolicy.from_state_dict(policy.state_dict())
+    assert restored.summary()["max_cf"] == 10.0
+
+
 @pytest.mark.parametrize(("dense", "dense_steps"), [(0.133, 3), (0.082, 5)])
 def test_under_the_cap_a_dense_trial_3x_slower_than_cf_10_ends_after_two_timed_steps(dense: float,
                                                                                       dense_steps: int) -> None:

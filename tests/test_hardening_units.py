@@ -470,3 +470,85 @@ def test_driver_refuses_disagreeing_seeds_only_with_the_check():
     same = [2 * v for v in vecs[0]]
     drv.add_reduced(same, 2)
     assert drv.current.tensors == 1 and math.isclose(drv.current.grad_sq, 8.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 44: settings are checked at construction whatever the import order
+# ------------------------------------------------------------------------------------------------
+_CONSTRUCT = """
+import json, sys, time
+{first}
+from crossover import AdaptiveCompression, DqsgdCompression, FP16Compression, QSGDCompression, StaticCompression
+out = []
+for expr in json.loads(sys.argv[1]):
+    try:
+        obj = eval(expr)
+    except Exception as exc:
+        out.append([type(exc).__name__, str(exc)])
+    else:
+        out.append(["built", type(obj).__module__])
+print(json.dumps({{"results": out, "frameworks": sorted({{"torch", "tensorflow", "horovod"}} & set(sys.modules))}}))
+"""
+
+# (expression, the exception's type, a piece of its message)
+_BAD_CONSTRUCTIONS = [
+    ('AdaptiveCompression(policy="foo")', "ValueError", "policy must be one of gravac, dqsgd"),
+    ("AdaptiveCompression(cf_min=0)", "ValueError", "cf_min"),
+    ("AdaptiveCompression(momentum=1.5)", "ValueError", "momentum must be None"),
+    ("AdaptiveCompression(cf_max=5, cf_min=10)", "ValueError", "cf_min must be <= cf_max"),
+    ("AdaptiveCompression(window=0)", "ValueError", "window"),
+    ("AdaptiveCompression(bogus=1)", "ValueError", "unknown GraVAC setting(s) bogus"),
+    ('AdaptiveCompression("topk", seed=1.5)', "ValueError", "seed"),
+    ('AdaptiveCompression(enabled="False")', "ValueError", "enabled"),
+    ("AdaptiveCompression(error_feedback=1)", "ValueError", "error_feedback"),
+    ("AdaptiveCompression(min_compress_numel=0)", "ValueError", "min_compress_numel"),
+    ('AdaptiveCompression(log_csv="{foo}.csv")', "ValueError", "log_csv"),
+    ("AdaptiveCompression(clock=5)", "ValueError", "clock"),
+    ('AdaptiveCompression(policy="dqsgd")', "ValueError", "total_steps"),
+    ('AdaptiveCompression(policy="dqsgd", total_steps=0)', "ValueError", "total_steps"),
+    ('AdaptiveCompression(policy="dqsgd", total_steps=10, target_bits=9)', "ValueError", "target_bits"),
+    ('AdaptiveCompression(policy="dqsgd", total_steps=10, bogus=1)', "ValueError", "bogus"),
+    ('AdaptiveCompression("topk", policy="dqsgd", total_steps=10)', "ValueError", "takes no compressor name"),
+    ("StaticCompression(cf=0.5)", "ValueError", "cf"),
+    ('StaticCompression("topk", transport="nope")', "ValueError", "transport"),
+    ("QSGDCompression(99)", "ValueError", "bits"),
+    ("QSGDCompression(4, seed=None)", "ValueError", "seed"),
+    ("DqsgdCompression(total_steps=10, decay=2)", "ValueError", "decay"),
+    ("DqsgdCompression(total_steps=10, lr=-1)", "ValueError", "lr"),
+    ("FP16Compression(1)", "TypeError", "FP16Compression"),
+]
+_GOOD_CONSTRUCTIONS = ["AdaptiveCompression()", 'AdaptiveCompression("randomk", cf_min=5, momentum=1.0, seed=3)',
+                       'AdaptiveCompression(transport="scatter", clock=time.perf_counter)',
+                       'AdaptiveCompression(policy="dqsgd", total_steps=10, lr=0.1)',
+                       'StaticCompression("topk", cf=10)', "QSGDCompression(4)", "DqsgdCompression(total_steps=10)",
+                       "FP16Compression()"]
+
+
+def _construct(first: str, exprs: list[str]) -> dict:
+    """Evaluate `exprs` in a fresh interpreter that runs `first`, then imports crossover's names."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _CONSTRUCT.format(first=first), json.dumps(exprs)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_settings_are_checked_at_construction_when_crossover_is_imported_first():
+    """With crossover imported before any framework, the objects are horovod_ext/_dispatch.py's lazy ones: a bad
+    setting was accepted and failed at the first step. Now the same error comes at construction, as with horovod.torch
+    imported first, and nothing imports a framework."""
+    exprs = [e for e, _, _ in _BAD_CONSTRUCTIONS] + _GOOD_CONSTRUCTIONS
+    lazy = _construct("", exprs)
+    assert lazy["frameworks"] == []
+    eager = _construct("import horovod.torch", exprs)
+    for (expr, kind, piece), got, torch_got in zip(_BAD_CONSTRUCTIONS, lazy["results"], eager["results"]):
+        assert got[0] == kind and piece in got[1], (expr, got)
+        assert torch_got[0] == kind, (expr, torch_got)  # the framework's own object refuses it alike
+    for expr, got, torch_got in zip(_GOOD_CONSTRUCTIONS, lazy["results"][len(_BAD_CONSTRUCTIONS):],
+                                    eager["results"][len(_BAD_CONSTRUCTIONS):]):
+        assert got == ["built", "horovod_ext._dispatch"], (expr, got)
+        assert torch_got[0] == "built", (expr, torch_got)

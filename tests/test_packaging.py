@@ -69,6 +69,66 @@ def test_metadata_names_the_license_and_the_authors(unpacked: Path) -> None:
     assert (info / "licenses" / "LICENSE").read_text().startswith("MIT License")
 
 
+def test_torch_and_tensorboard_are_extras(unpacked: Path) -> None:
+    """Issue 44: torch was a hard requirement although the TensorFlow path imports none; tensorboard= had no extra."""
+    meta = email.message_from_string((_dist_info(unpacked) / "METADATA").read_text(encoding="utf-8"))
+    requires = meta.get_all("Requires-Dist")
+    always = {r.split(";")[0].strip() for r in requires if "extra ==" not in r}
+    assert always == {"numpy", "psutil"}
+    assert {"torch", "tensorboard", "tensorflow", "benchmarks", "test"} <= set(meta.get_all("Provides-Extra"))
+    by_extra = {(r.split(";")[0].strip(), r.split("extra ==")[1].strip().strip("'\"")) for r in requires
+                if "extra ==" in r}
+    assert {("torch", "torch"), ("tensorboard", "tensorboard"), ("torch", "benchmarks"), ("torch", "test")} <= by_extra
+
+
+# What the TensorFlow path imports of this project (its own TensorFlow modules aside); torch must not be among them.
+TF_PATH = ("crossover/tensorflow.py", "horovod_ext/tf_compression.py", "horovod_ext/tf_quantization.py",
+           "horovod_ext/_tf_host.py", "horovod_ext/keras_guard.py")
+BLOCK_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError("No module named 'torch' (blocked)", name=name)
+sys.meta_path.insert(0, NoTorch())
+for name in sys.argv[1:]:
+    __import__(name)
+"""
+
+
+def _project_imports(path: Path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.split(".")[0] in ("crossover", "horovod_ext")}
+
+
+def test_the_tensorflow_path_and_crossover_run_need_no_torch(tmp_path: Path) -> None:
+    """Every project module the TensorFlow glue imports (at the top or inside functions), the lazy names of
+    `crossover`, and crossover-run import with torch absent (TensorFlow itself is not needed to check that)."""
+    own = {p[:-3].replace("/", ".") for p in TF_PATH}
+    modules = set().union(*(_project_imports(REPO / p) for p in TF_PATH)) - own
+    modules |= {"crossover", "horovod_ext._dispatch", "crossover.scheduler.run", "horovod_ext.launch"}
+    assert {"crossover.driver", "horovod_ext._facade"} <= modules
+    proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH, *sorted(modules)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    code = BLOCK_TORCH + "from crossover import AdaptiveCompression\nAdaptiveCompression(cf_min=4)\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for script in ("a.py", "b.py"):
+        (tmp_path / script).write_text("pass\n")
+    proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "from crossover.scheduler import run\n"
+                           "sys.exit(run.main(['--dry-run', 'a.py', 'b.py']))"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "horovodrun" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_console_scripts_point_at_the_installed_names(unpacked: Path) -> None:
     ep = configparser.ConfigParser()
     ep.read(_dist_info(unpacked) / "entry_points.txt")

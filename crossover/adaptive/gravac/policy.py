@@ -198,7 +198,7 @@ class GravacPolicy:
     def _note_momentum(self, m: float) -> None:
         """Ladder: the optimizer's momentum caps the CF (``ladder.momentum_cap``); a new value moves the cap."""
         assert isinstance(self._search, LadderSearch)
-        if not (math.isfinite(m) and 0.0 <= m < 1.0):
+        if not (math.isfinite(m) and 0.0 <= m <= 1.0):  # 1 (never forgets) is a momentum: the cap is cf_min
             full = len(self._rungs) - 1
             if self._momentum is None and self._search.s.top < full:  # expect_momentum's cap, and none came
                 self._search.set_top(full, why="no optimizer momentum reported: the whole ladder")
@@ -362,8 +362,8 @@ class GravacPolicy:
         read = StateReader(state)
         step = read.count("step")
         momentum = read._get("momentum")
-        if momentum is not None and not (is_real(momentum) and 0.0 <= momentum < 1.0):
-            raise ValueError(f"GravacPolicy state: momentum must be None or a number in [0, 1), got {momentum!r}")
+        if momentum is not None and not (is_real(momentum) and 0.0 <= momentum <= 1.0):
+            raise ValueError(f"GravacPolicy state: momentum must be None or a number in [0, 1], got {momentum!r}")
         gains = GainBook.check_state(read.rows("gains", 5))
         search = self._new_search()
         if isinstance(search, PaperSearch):
