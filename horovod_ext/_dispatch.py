@@ -108,8 +108,8 @@ def _check_shared(given: dict[str, Any], *, sparse: bool = False) -> None:
     horovod.torch's take)."""
     from crossover.compression.checks import check_flag, check_seed
     from crossover.driver.settings import check_min_numel, check_momentum
-    from crossover.driver.sparse import check_transport
     from crossover.driver.steplog import check_log_pattern
+    from crossover.driver.transport import check_transport
 
     checks: dict[str, Callable[[Any], object]] = {
         "error_feedback": lambda v: check_flag("error_feedback", v), "enabled": lambda v: check_flag("enabled", v),

@@ -31,23 +31,16 @@ import tensorflow as tf
 from crossover.compression import cost_model
 from crossover.compression.wire import shared_seed
 from crossover.driver import QuantStepDriver, dqsgd_settings, lr_at
+from crossover.driver.transport import check_quant_transport, quant_route
 from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name
 
 __all__ = ["DqsgdCompression", "QSGDCompression", "pack_codes", "unpack_codes"]
 
 log = logging.getLogger(__name__)
-TRANSPORTS = ("auto", "allgather", "allreduce")
 LR = Union[float, Callable[[int], float], Any]
 # accumulator slots: tensors, global ||x||^2, elements quantized, bytes sent, bytes dense
 _QACC = 5
 _EIGHT = np.arange(8, dtype=np.uint64)  # element (and byte) positions in a 64-bit group
-
-
-def choose_quant_transport(numel: int, bits: int, world: int) -> str:
-    """ALLGATHER of packed codes + scale, or ALLREDUCE of fp16 values, whichever sends fewer bytes."""
-    ag = cost_model.allgather_bytes(-(-numel * bits // 8) + 4, world, 1)
-    ar = cost_model.allreduce_bytes(numel, world, 2)
-    return cost_model.ALLGATHER if ag < ar else cost_model.ALLREDUCE
 
 
 def pack_codes(codes: tf.Tensor, bits: tf.Tensor) -> tf.Tensor:
@@ -94,8 +87,7 @@ class _QuantizedBase(TFHookBase):
 
     def __init__(self, driver: QuantStepDriver, *, error_feedback: bool, min_compress_numel: int, seed: int,
                  transport: str, b_max: int) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+        check_quant_transport(transport)
         super().__init__(min_compress_numel=min_compress_numel, error_feedback=error_feedback, seed=seed)
         self.driver = driver
         self.transport = transport
@@ -154,7 +146,7 @@ class _QuantizedBase(TFHookBase):
         u = tf.random.stateless_uniform([numel], seed=seed, dtype=tf.float32)
         mag = tf.minimum(tf.floor(absx * (s / scale) + u), s)
         levels = tf.cast(tf.where(x < 0, -mag, mag), tf.int32)
-        kind = self.transport if self.transport != "auto" else choose_quant_transport(numel, self._b_max, world)
+        kind = quant_route(self.transport, numel, self._b_max, world)
         deps = []
         if residual is not None:
             deps.append(residual.assign(x - tf.cast(levels, tf.float32) * (scale / s)))

@@ -14,19 +14,14 @@ candidate CF costs only a pass over the (small) floor selection.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from . import kernels
+from .wire import k_for
 
 __all__ = ["SELECTORS", "Selection", "Selector", "apply_mask", "k_for", "make_selector"]
-
-
-def k_for(numel: int, cf: float) -> int:
-    """Number of elements kept at compression factor cf (at least one)."""
-    return max(1, min(numel, int(math.ceil(numel / cf))))
 
 
 @dataclass

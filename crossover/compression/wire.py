@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["MAX_BITS", "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_MAX", "SparseStatsLayout", "clamp_stat",
-           "levels_for_bits", "normalize_reduced", "seed_fingerprint", "seeds_disagree", "shared_seed"]
+           "k_for", "levels_for_bits", "normalize_reduced", "seed_fingerprint", "seeds_disagree", "shared_seed"]
 
 #: Statistics travel in float32 and are summed over ranks: each rank's finite values are clamped to STAT_MAX
 #: (2**100) so that a sum over up to 2**27 ranks cannot overflow float32 (max ~2**128). They are computed in
@@ -144,3 +144,8 @@ def normalize_reduced(reduced: Sequence[float], world: int) -> list[float] | Non
     if len(out) > SparseStatsLayout.MOMENTUM:
         out[SparseStatsLayout.MOMENTUM] = float(reduced[SparseStatsLayout.MOMENTUM]) / scale
     return out
+
+
+def k_for(numel: int, cf: float) -> int:
+    """Number of elements kept at compression factor cf (at least one)."""
+    return max(1, min(numel, int(math.ceil(numel / cf))))

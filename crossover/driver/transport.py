@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crossover.adaptive.gravac.types import DENSE, is_real, median
-from crossover.compression import cost_model, quantize
+from crossover.compression import cost_model
 from crossover.compression.cost_model import AGREED, ALLGATHER, ALLREDUCE, SCATTER
-from crossover.compression.selectors import k_for
+from crossover.compression.wire import k_for
 
 __all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "CfState", "DEFAULT_TRANSPORT", "QUANT_TRANSPORTS", "TRANSPORTS",
            "TransportChoice", "auto_candidates", "candidate_costs", "check_quant_transport", "check_transport",
@@ -153,7 +153,8 @@ def quant_route(setting: str, numel: int, bits: int, world: int) -> str:
     and their scale or ALLREDUCE of fp16 values, whichever sends fewer bytes (torch and TensorFlow alike)."""
     if setting != "auto":
         return setting
-    gather = cost_model.allgather_bytes(quantize.packed_nbytes(numel, bits) + 4, world, 1)
+    packed = (numel * bits + 7) // 8  # quantize.packed_nbytes
+    gather = cost_model.allgather_bytes(packed + 4, world, 1)
     return ALLGATHER if gather < cost_model.allreduce_bytes(numel, world, 2) else ALLREDUCE
 
 
