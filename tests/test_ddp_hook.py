@@ -110,6 +110,45 @@ def job_versus_ddp(steps: int) -> dict:
             "keys": {n: sorted(st.stats()) for n, (_, st) in hooked.items()}}
 
 
+def job_optimizer_momentum(steps: int) -> dict:
+    """The hook reads the optimizer it is shown, as the Horovod objects do: momentum (or Adam's beta1) for the
+    GraVAC cap, the learning rate for DQ-SGD."""
+    out = {}
+    for name, make_opt, kw in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1), {}),
+                               ("momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5), {}),
+                               ("adam", lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.99)), {}),
+                               ("told", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5), {"momentum": 0.0}),
+                               ("dqsgd", lambda ps: torch.optim.SGD(ps, lr=0.03), {"policy": "dqsgd",
+                                                                                    "total_steps": 50})):
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Linear(256, 128))
+        opt = make_opt(ddp.parameters())
+        if name == "dqsgd":  # at construction: DQ-SGD needs its learning rate from the start
+            state = AdaptiveState(**kw, min_compress_numel=1000, optimizer=opt)
+        else:  # or afterwards, for an optimizer built after the hook is registered
+            state = AdaptiveState(**kw, min_compress_numel=1000)
+            state.optimizer = opt
+        ddp.register_comm_hook(state, adaptive_hook)
+        for _ in range(steps):
+            opt.zero_grad()
+            ddp(torch.randn(8, 256)).square().mean().backward()
+            opt.step()
+        st = state.stats()
+        out[name] = st.get("policy/momentum") if name != "dqsgd" else st.get("policy/lr", st.get("bits"))
+        if name == "dqsgd":
+            out["dqsgd_lr"] = state.driver.lr
+    return out
+
+
+def test_the_hook_reads_the_optimizer_it_is_shown():
+    for r in run_ddp(job_optimizer_momentum, args=(4,), timeout=180):
+        assert r["sgd"] == 0.0 and r["momentum"] == pytest.approx(0.5) and r["adam"] == pytest.approx(0.8)
+        assert r["told"] == 0.0  # momentum= wins over what is read
+        assert r["dqsgd_lr"] == pytest.approx(0.03)  # DQ-SGD needs no lr= when shown the optimizer
+    with pytest.raises(ValueError, match="must be a torch optimizer"):
+        AdaptiveState(optimizer=object())
+
+
 def job_decisions(steps: int) -> dict:
     """GraVAC and DQ-SGD for `steps` steps on rank-specific gradients: what each rank decided, per step."""
     gravac = AdaptiveState(cf_min=2, cf_max=256, epsilon=0.6, window=10, warmup_steps=3, min_compress_numel=1024)
@@ -136,7 +175,8 @@ def job_decisions(steps: int) -> dict:
             "dqsgd_policy": dqsgd.state_dict()["driver"]["policy"], "synced": synced}
 
 
-def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int, on_step: Any = None) -> dict:
+def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int, on_step: Any = None,
+                show_optimizer: bool = False) -> dict:
     import torch.distributed as dist
 
     from benchmarks.digits import load_digits_split, make_model
@@ -149,6 +189,8 @@ def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int, on_step: 
     if state is not None:
         ddp.register_comm_hook(state, adaptive_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
+    if show_optimizer:
+        state.optimizer = opt  # its momentum (plain SGD: 0) is read at each step
     gen = torch.Generator().manual_seed(1)
     dist.barrier()
     wire0 = _lo_bytes()
@@ -357,14 +399,15 @@ def test_defaults_digits_within_one_point(digits_results):
 
 
 def job_digits_defaults(epochs: int, hidden: int) -> dict:
-    """Digits: DDP dense, then the hook with the defaults told the optimizer's momentum (plain SGD: 0), then, for
-    two epochs, with nothing said (the hook assumes momentum 0.9, UNKNOWN_MOMENTUM)."""
-    state = AdaptiveState(momentum=0.0)
+    """Digits: DDP dense, then the hook with the defaults shown the optimizer (plain SGD: momentum 0, read at each
+    step), then, for two epochs, with nothing said (the hook assumes momentum 0.9, UNKNOWN_MOMENTUM)."""
+    state = AdaptiveState()
     trace: list[float] = []
     unset = AdaptiveState()
     unset_trace: list[float] = []
     return {"dense": _digits_run(None, epochs, hidden),
-            "defaults": _digits_run(state, epochs, hidden, on_step=lambda: trace.append(state.driver.current.sent_cf)),
+            "defaults": _digits_run(state, epochs, hidden, on_step=lambda: trace.append(state.driver.current.sent_cf),
+                                    show_optimizer=True),
             "trace": trace,
             "unset": _digits_run(unset, 2, hidden, on_step=lambda: unset_trace.append(unset.driver.current.sent_cf)),
             "unset_trace": unset_trace}

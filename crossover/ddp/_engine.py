@@ -95,10 +95,12 @@ class _CodecEngine(_Engine):
     keys per bucket, the payload's reduction and the codec's own collectives issued from the hook's body, the
     reduced statistics fed in bucket order at the next step (`session.decode(..., order=index)`), state and reset."""
 
-    def __init__(self, group: Any, name: str, session: StepSession, *, min_compress_numel: int) -> None:
+    def __init__(self, group: Any, name: str, session: StepSession, *, min_compress_numel: int,
+                 optimizer: Any = None) -> None:
         super().__init__(group)
         self.name = name
         self.session = session
+        self.optimizer = optimizer  # the user's, when shown: its momentum (or beta1) and lr are read at each step
         self.min_compress_numel = check_min_numel(min_compress_numel)
         self.layouts = BucketLayouts(session.codec.memory)
         self._step_buckets: dict[str, int] = {}  # buckets of the step in flight: "large" or the dtype passed through
@@ -123,7 +125,7 @@ class _CodecEngine(_Engine):
             self._say_uncompressed()
             self.flush()
             self.session.begin_step(self.comm)
-            self.session.optimizer_seen(None)  # a DDP hook does not see the optimizer
+            self.session.optimizer_seen(self.optimizer)  # a DDP hook sees the optimizer only when shown it
         nbytes = buf.numel() * buf.element_size()
         small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
         kind = "large" if not small else str(buf.dtype).replace("torch.", "")

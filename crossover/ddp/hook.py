@@ -124,7 +124,8 @@ class _Fp16Engine(_Engine):
 # ---------------------------------------------------------------------------------------------
 def _sparse_engine(group: Any, name: str, compressor: str, policy: CfPolicy, *, error_feedback: bool,
                    min_compress_numel: int, seed: int, log_csv: str | None, gather: str,
-                   clock: Callable[[], float] | None, transport: str, momentum: float | None = None) -> _Engine:
+                   clock: Callable[[], float] | None, transport: str, momentum: float | None = None,
+                   optimizer: Any = None) -> _Engine:
     """A compression-factor policy (GraVAC, static) driving a sparsifying codec, per bucket."""
     if check_transport(transport) == SCATTER:
         raise ValueError("transport='scatter' needs an alltoall from Horovod's background loop; the DDP hook "
@@ -141,7 +142,7 @@ def _sparse_engine(group: Any, name: str, compressor: str, policy: CfPolicy, *, 
     session = cf_session(compressor, policy, error_feedback=error_feedback, seed=seed, log_csv=log_csv,
                          rank=comm.rank, transport=transport, alltoall=False, fixed_gather=gather == "pad",
                          momentum=momentum, unknown_momentum=UNKNOWN_MOMENTUM, clock=clock)
-    engine = _CodecEngine(group, name, session, min_compress_numel=min_compress_numel)
+    engine = _CodecEngine(group, name, session, min_compress_numel=min_compress_numel, optimizer=optimizer)
     engine.comm = comm
     return engine
 
@@ -149,66 +150,67 @@ def _sparse_engine(group: Any, name: str, compressor: str, policy: CfPolicy, *, 
 def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
-                  momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, **gravac: Any) -> _Engine:
+                  momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, optimizer: Any = None,
+                  **gravac: Any) -> _Engine:
     check_compressor(compressor, adaptive=bool(enabled))
     try:
         policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
         raise ValueError(f"policy='gravac': {exc}") from None
-    if momentum is None and enabled:
-        log.info("crossover.ddp: AdaptiveState(momentum=None): a DDP hook cannot read the optimizer's momentum, so the "
-                 "policy assumes %g (SGD momentum or Adam's beta1: the compression is capped where that keeps "
-                 "accuracy); pass momentum=<your optimizer's>, 0 for none, to cap by it (docs/accuracy.md)",
+    if momentum is None and optimizer is None and enabled:
+        log.info("crossover.ddp: AdaptiveState() was shown neither the optimizer nor its momentum, so the policy "
+                 "assumes %g (SGD momentum or Adam's beta1: the compression is capped where that keeps accuracy); "
+                 "pass optimizer=<your optimizer> (or momentum=, 0 for none) to cap by it (docs/accuracy.md)",
                  UNKNOWN_MOMENTUM)
     return _sparse_engine(group, "gravac", compressor, policy, error_feedback=error_feedback,
                           min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                          clock=clock, transport=transport, momentum=momentum)
+                          clock=clock, transport=transport, momentum=momentum, optimizer=optimizer)
 
 
 def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
-                  transport: str = "allgather") -> _Engine:
+                  transport: str = "allgather", optimizer: Any = None) -> _Engine:
     check_compressor(compressor, adaptive=False)
     return _sparse_engine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
                           min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
-                          clock=clock, transport=transport)
+                          clock=clock, transport=transport, optimizer=optimizer)
 
 
 def _quant_engine(group: Any, name: str, driver: QuantStepDriver, *, lr: LR | None, error_feedback: bool,
-                  min_compress_numel: int, seed: int, transport: str) -> _Engine:
+                  min_compress_numel: int, seed: int, transport: str, optimizer: Any = None) -> _Engine:
     """A bits-per-step driver (DQ-SGD, fixed QSGD) and a quantizing codec, per bucket."""
     session = QuantSession(QuantCodec(error_feedback=error_feedback, seed=seed), driver, transport_setting=transport,
                            lr=lr)
-    return _CodecEngine(group, name, session, min_compress_numel=min_compress_numel)
+    return _CodecEngine(group, name, session, min_compress_numel=min_compress_numel, optimizer=optimizer)
 
 
 def _build_dqsgd(group: Any, *, total_steps: int | None = None, lr: LR | None = None,
                  error_budget: float | None = None, target_bits: int = 6, b_min: int = _DQ_DEFAULTS["b_min"],
                  b_max: int = _DQ_DEFAULTS["b_max"], decay: float = _DQ_DEFAULTS["decay"],
                  error_feedback: bool = False, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
-                 transport: str = "auto") -> _Engine:
-    if lr is None:
-        raise ValueError("policy='dqsgd' needs lr= (a number, or a callable step -> lr): a DDP hook does not see "
-                         "the optimizer")
+                 transport: str = "auto", optimizer: Any = None) -> _Engine:
+    if lr is None and optimizer is None:
+        raise ValueError("policy='dqsgd' needs the learning rate: pass optimizer=<your optimizer> (its lr is read at "
+                         "each step) or lr= (a number, or a callable step -> lr)")
     settings = dqsgd_settings(total_steps=total_steps, lr=lr, error_budget=error_budget, target_bits=target_bits,
                               b_min=b_min, b_max=b_max, decay=decay)
     return _quant_engine(group, "dqsgd", QuantStepDriver(bits=target_bits, dqsgd=settings), lr=lr,
                          error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed,
-                         transport=transport)
+                         transport=transport, optimizer=optimizer)
 
 
 def _build_qsgd(group: Any, *, bits: int = 8, error_feedback: bool = False,
                 min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
-                transport: str = "auto") -> _Engine:
+                transport: str = "auto", optimizer: Any = None) -> _Engine:
     b_min, b_max = _DQ_DEFAULTS["b_min"], _DQ_DEFAULTS["b_max"]
     if isinstance(bits, bool) or not isinstance(bits, int) or not b_min <= bits <= b_max:
         raise ValueError(f"bits must be an int in [{b_min}, {b_max}], got {bits!r}")
     return _quant_engine(group, "qsgd", QuantStepDriver(bits=bits), lr=None, error_feedback=error_feedback,
-                         min_compress_numel=min_compress_numel, seed=seed, transport=transport)
+                         min_compress_numel=min_compress_numel, seed=seed, transport=transport, optimizer=optimizer)
 
 
-def _build_fp16(group: Any) -> _Engine:
+def _build_fp16(group: Any, optimizer: Any = None) -> _Engine:
     return _Fp16Engine(group)
 
 
@@ -231,16 +233,17 @@ class AdaptiveState:
       allgather, the default; "counts": the counts go first, then the selections, padded to the largest),
       ``clock`` (a callable returning seconds, default ``time.perf_counter``: GraVAC's step time is the
       difference between two step starts; a clock that stops while the process does other work between
-      steps, such as evaluation, keeps that work out of the throughput GraVAC compares), ``momentum`` (your
-      optimizer's SGD momentum or Adam's beta1, 0 for none: a DDP hook cannot read it, and the policy caps the
-      compression by it; unset, it assumes 0.9, ``crossover.driver.UNKNOWN_MOMENTUM``),
+      steps, such as evaluation, keeps that work out of the throughput GraVAC compares), ``optimizer`` (your
+      optimizer, also settable later as ``state.optimizer = opt``: its SGD momentum or Adam's beta1 is read at each
+      step, as the Horovod objects do, and the policy caps the compression by it), ``momentum`` (a number instead,
+      0 for none; given neither, the hook assumes 0.9, ``crossover.driver.UNKNOWN_MOMENTUM``),
       ``transport`` (rank-specific compressors: "allgather", the default, each rank's own pairs; opt-in
       "agreed", values at an index set agreed the step before, or "auto", the cheaper of the two by the cost
       model and measured step times; docs/scaling.md).
     * ``policy="static"``: a fixed ``cf`` (default 100) with ``compressor``; same other settings
       (``transport`` defaults to "allgather" there too).
     * ``policy="dqsgd"``: DQ-SGD picks the quantization bits per step. ``total_steps`` and ``lr`` (a
-      number or a callable step -> lr; the hook cannot see the optimizer) are required; ``error_budget``,
+      number or a callable step -> lr; or ``optimizer``, whose lr is read at each step) are required; ``error_budget``,
       ``target_bits``, ``b_min``, ``b_max``, ``decay``, ``error_feedback``, ``min_compress_numel``,
       ``seed``, ``transport``.
     * ``policy="qsgd"``: fixed ``bits``. ``policy="fp16"``: fp16 casts (no settings).
@@ -259,6 +262,10 @@ class AdaptiveState:
         builder = _BUILDERS.get(policy)
         if builder is None:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        optimizer = settings.get("optimizer")
+        if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
+            raise ValueError(f"optimizer= must be a torch optimizer (its param_groups give the momentum, or Adam's "
+                             f"beta1, and DQ-SGD's learning rate at each step), got {type(optimizer).__name__}")
         tensorboard = settings.pop("tensorboard", None)
         try:
             engine = builder(process_group, **settings)
@@ -325,6 +332,18 @@ class AdaptiveState:
         """The policy object (GravacPolicy, StaticPolicy, DqsgdPolicy or None before calibration)."""
         session = getattr(self._engine, "session", None)
         return None if session is None else session.policy
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer whose momentum (or Adam's beta1) and learning rate are read at each step (None: not shown)."""
+        return getattr(self._engine, "optimizer", None)
+
+    @optimizer.setter
+    def optimizer(self, opt: Any) -> None:
+        if opt is not None and not isinstance(getattr(opt, "param_groups", None), list):
+            raise ValueError(f"optimizer must be a torch optimizer, got {type(opt).__name__}")
+        if hasattr(self._engine, "optimizer"):
+            self._engine.optimizer = opt
 
     @property
     def driver(self) -> Any:
