@@ -271,7 +271,7 @@ def _x(v: Any) -> str:
 
 
 #: methods a user could fix by hand: the best of them on a workload is the "oracle static" choice
-STATIC_PREFIXES = ("none", "fp16", "topk:", "randomk:", "dgc:")
+STATIC_PREFIXES = ("none", "fp16", "topk:", "randomk:", "dgc:", "powersgd:")
 #: how close to dense's final metric counts as reaching it: 1 point of accuracy, 1% of perplexity
 TOLERANCE = {"accuracy": 0.01, "top5": 0.01, "perplexity": 0.01}
 

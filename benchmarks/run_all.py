@@ -130,7 +130,20 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 short or ("--epochs", "1", "--max-steps", "100"), 4,
                 repeats=1 if quick else SEEDS, compute_bound=True, side_by_side=True, minutes=13),
         *recipe_tasks(quick),
+        lowrank_task(quick),
     ]
+
+
+def lowrank_task(quick: bool) -> TtaTask:
+    """Low rank (StaticCompression("powersgd")) against the fixed choices under momentum SGD, each method its own
+    job (as users run them), on the MNIST CNN recipe at 100 Mbit/s (the recipe whose top-k 100x lost accuracy)."""
+    momentum = ("--optimizer", "sgd", "--lr", "0.02", "--momentum", "0.9", "--weight-decay", "5e-4")
+    return TtaTask("tta-lowrank-mnist-cnn", "CNN on the MNIST sample with SGD momentum 0.9 and weight decay 5e-4 "
+                   "(lr 0.02), 2 emulated hosts at 100 Mbit/s, each method its own job",
+                   ("--model", "cnn", "--dataset", "mnist", *momentum), 2, "100mbit",
+                   ("--epochs", "1", "--max-steps", "6") if quick else ("--epochs", "3"), 10,
+                   repeats=1 if quick else SEEDS, minutes=15,
+                   methods=("none", "fp16", "topk:10", "topk:100", "gravac", "powersgd:10", "powersgd:50"))
 
 
 def recipe_tasks(quick: bool) -> list[TtaTask]:
