@@ -11,11 +11,42 @@ created, or at its first `compress` from the tensor's type (horovod_ext/_dispatc
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["AdaptiveCompression", "DqsgdCompression", "FP16Compression", "QSGDCompression", "StaticCompression",
            "__version__"]
+
+#: The one switch that shows the library's decisions: CROSSOVER_LOG=info (or debug) prints them on rank 0's stderr.
+LOG_ENV = "CROSSOVER_LOG"
+_RANK_ENVS = ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # horovodrun, torchrun, MPI launchers
+
+
+def _log_from_env() -> None:
+    """CROSSOVER_LOG=info: the "crossover" loggers' records on stderr, from rank 0 only (one line per decision: a
+    search begins, what it settled on and why, the momentum cap). Unset (the default), nothing is configured."""
+    import logging
+
+    name = os.environ.get(LOG_ENV, "").strip()
+    if not name:
+        return
+    level = logging.getLevelName(name.upper())
+    if not isinstance(level, int):
+        logging.getLogger(__name__).warning("%s=%r is not a logging level (use info or debug): ignored", LOG_ENV, name)
+        return
+    rank = next((os.environ[k] for k in _RANK_ENVS if k in os.environ), "0")
+    logger = logging.getLogger(__name__)
+    if rank.strip() != "0" or any(getattr(h, "_crossover", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler._crossover = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("crossover %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+_log_from_env()
 
 _TORCH_NAMES = {"AdaptiveCompression", "FP16Compression", "StaticCompression"}
 _QUANT_NAMES = {"DqsgdCompression", "QSGDCompression"}

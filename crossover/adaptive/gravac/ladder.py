@@ -481,7 +481,6 @@ class LadderSearch:
 
     def _settle(self, cf: float, st: float) -> None:
         s = self.s
-        log.info("step %d: settled on CF %g (median step %.1f ms)", self.step, cf, 1e3 * st)
         s.trial = None
         s.settled = True
         s.held = s.last_tried = cf
@@ -512,6 +511,13 @@ class LadderSearch:
         if s.retry_rung is not None:  # doubling gaps: a CF that keeps failing costs O(log steps) trials
             s.retry_gap = max(2 * self._window_at(self.step), 2 * s.retry_gap, self.step // 2)
             s.retry_at = self.step + s.retry_gap
+        if log.isEnabledFor(logging.INFO):
+            log.info("step %d: settled on %s (median step %.1f ms): %s; timed in this search: %s", self.step,
+                     _cf_name(cf), 1e3 * st,
+                     f"CF {s.retry_rung:g} kept too little of the gradient yet (retried at step {s.retry_at})"
+                     if s.reason == "gain" else "the best throughput times the gradient kept",
+                     ", ".join(f"{_cf_name(c)} {1e3 * t.step_time:.1f} ms" for c, t in sorted(s.rates.items())
+                               if t.judged_at >= s.search_step) or "none")
 
     def _may_keep_up(self, r: Timing, best: float) -> bool:
         """Whether a CF timed at ``r`` that lost on its gain would beat ``best`` by more than omega at the gain
@@ -558,3 +564,7 @@ class LadderSearch:
 
     def load(self, st: LadderState) -> None:
         self.s = st
+
+
+def _cf_name(cf: float) -> str:
+    return "dense" if cf <= DENSE else f"CF {cf:g}"

@@ -205,12 +205,15 @@ class GravacPolicy:
             return
         if m == self._momentum:
             return
-        self._momentum = m
+        first, self._momentum = self._momentum is None, m
         c = self._config
         cap = momentum_cap(c["cf_min"], c["cf_max"], m) * (1.0 + 1e-6)  # the reduced mean is float32
         top = max(i for i, cf in enumerate(self._rungs) if cf <= cap or i <= 1)
-        if top != self._search.s.top:
-            log.info("step %d: optimizer momentum %.3g: the ladder stops at CF %g", self._step, m, self._rungs[top])
+        if top != self._search.s.top or first:
+            log.info("step %d: optimizer momentum %.3g %s", self._step, m,
+                     f"caps the CF at {self._rungs[top]:g} (higher CFs lost accuracy under momentum: docs/accuracy.md;"
+                     " momentum= overrides what is read)" if top < len(self._rungs) - 1
+                     else f"allows the whole ladder, up to CF {self._rungs[top]:g}")
         self._search.set_top(top, why=f"momentum {m:.3g} caps the CF at {self._rungs[top]:g}")
 
     @property
