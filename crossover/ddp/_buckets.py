@@ -104,6 +104,10 @@ class BucketLayouts:
             self._owner[o] = index
         return key
 
+    def ordinals(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """Each parameter's ordinal (assigned in the order parameters are first seen)."""
+        return self._layout(tuple(id(p) for p in params), params).ordinals
+
     def _layout(self, ids: tuple[int, ...], params: Sequence[torch.Tensor]) -> Layout:
         ordinals, offsets, numels = [], [], []
         off = 0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from crossover.driver import check_min_numel
-from crossover.driver.session import SparseSession, StepSession
+from crossover.driver.session import LowRankSession, SparseSession, StepSession
 
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives
@@ -26,6 +26,9 @@ log = logging.getLogger("crossover.ddp.hook")
 
 Future = torch.futures.Future
 
+
+#: Low rank: a bucket's pieces feed the driver in the order bucket index x this + piece (a bucket holds fewer).
+_PIECES = 1 << 20
 
 #: Gloo with CUDA tensors: synchronise the device around the codec's decode (see `_gloo_cuda`).
 GLOO_CUDA_SYNC = True
@@ -107,6 +110,7 @@ class _CodecEngine(_Engine):
         self._passed: dict[int, torch.Tensor] = {}  # bucket index -> finite after the reduction (callbacks)
         self._rebuilds_seen = 0
         self._warned = False
+        self._waiting: list[tuple] = []  # low rank: buckets whose Q allreduces have not begun
 
     @property
     def driver(self) -> Any:
@@ -126,6 +130,8 @@ class _CodecEngine(_Engine):
             self.flush()
             self.session.begin_step(self.comm)
             self.session.optimizer_seen(self.optimizer)  # a DDP hook sees the optimizer only when shown it
+        if isinstance(self.session, LowRankSession) and buf.dtype == torch.float32:
+            return self._run_lowrank(bucket)
         nbytes = buf.numel() * buf.element_size()
         small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
         kind = "large" if not small else str(buf.dtype).replace("torch.", "")
@@ -171,6 +177,65 @@ class _CodecEngine(_Engine):
 
         return fut.then(finish)
 
+    def _run_lowrank(self, bucket: dist.GradBucket) -> Future:
+        """Low rank per parameter of the bucket: two rounds of allreduces, each issued from a hook body so that every
+        rank issues them in the same order (on Gloo, collectives issued from callbacks interleave differently on
+        each rank). The bucket's future completes once its Q factors are reduced, which the next bucket's hook body
+        (or this one, for the last bucket) starts."""
+        index, buf, world = bucket.index(), bucket.buffer(), self.comm.size()
+        # 1. the Q allreduces of the buckets before this one begin
+        self._advance()
+        # 2. each large matrix: its P allreduce begins; the other gradients and every statistics vector go in one
+        #    payload, averaged by one allreduce
+        dense, encoded = [], []
+        for o, g in zip(self.layouts.ordinals(bucket.parameters()), bucket.gradients()):
+            if g.dim() >= 2 and g.numel() >= self.min_compress_numel:
+                encoded.append((g, *self.session.encode(f"param{o}", g, self.comm)))
+            else:
+                dense.append(g)
+                self.session.count(g.numel() * 4, g.numel() * 4)
+        self._step_buckets["large" if encoded else "float32"] = 1
+        payload = torch.cat([*(g.reshape(-1) for g in dense), *(p for _, p, _ in encoded)]).div_(world)
+        fut = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
+        result: Future = torch.futures.Future()
+        self._waiting.append((index, buf, dense, encoded, fut, result))
+        # 3. the last bucket of the step starts its own Q allreduces: nothing comes after it
+        if bucket.is_last():
+            self._advance()
+        return result
+
+    def _advance(self) -> None:
+        """Finish the P allreduces begun, start every Q allreduce (the same order on every rank), and complete each
+        waiting bucket's future once its payload and its Q factors are reduced."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        self.session.advance(self.comm)
+        passed = self._passed
+        for index, buf, dense, encoded, fut, result in waiting:
+            handles = [ctx.q_handle.future() for _, _, ctx in encoded if ctx.q_handle is not None]
+
+            def finish(f: Future, index: int = index, buf: torch.Tensor = buf, dense: list = dense,
+                       encoded: list = encoded, fut: Future = fut, result: Future = result) -> None:
+                try:
+                    _raise_errors(f)
+                    reduced, off = fut.value()[0], 0
+                    for g in dense:
+                        g.copy_(reduced[off:off + g.numel()].view_as(g))
+                        off += g.numel()
+                    if dense:
+                        passed[index] = torch.isfinite(reduced[:off]).all()
+                    for j, (g, p, ctx) in enumerate(encoded):
+                        out = self.session.decode(reduced[off:off + p.numel()], ctx, self.comm,
+                                                  order=index * _PIECES + j)
+                        g.copy_(out.view_as(g))
+                        off += p.numel()
+                    result.set_result(buf)
+                except Exception as exc:  # noqa: BLE001 - DDP re-raises it from the bucket's future
+                    result.set_exception(exc)
+
+            torch.futures.collect_all([fut, *handles]).then(finish)
+
     def _say_uncompressed(self) -> None:
         """Once: the last step compressed no bucket for its dtype (fp16/fp64 models) or its size."""
         seen, self._step_buckets = self._step_buckets, {}
@@ -190,7 +255,13 @@ class _CodecEngine(_Engine):
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()
-        return {"driver": self.session.state_dict(**self._agreed_kw()), "residuals": self.layouts.pieces()}
+        return {"driver": self.session.state_dict(**self._agreed_kw()), "residuals": self._pieces()}
+
+    def _pieces(self) -> dict[int, torch.Tensor]:
+        """Residuals per parameter ordinal: the buckets' pieces, or the low-rank codec's own (one per matrix)."""
+        if isinstance(self.session, LowRankSession):
+            return {int(k[len("param"):]): t.clone() for k, t in self.session.codec.memory.state().items()}
+        return self.layouts.pieces()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Residuals checked, then the session's state (checked whole before it applies any), then residuals.
@@ -203,13 +274,17 @@ class _CodecEngine(_Engine):
             self.layouts.validate(state["residuals"])
         self.session.load_state_dict(state["driver"], **self._agreed_kw())
         self._passed.clear()
-        if "residuals" in state:
+        if "residuals" in state and isinstance(self.session, LowRankSession):
+            self.session.codec.memory.load({f"param{o}": t.detach().reshape(-1).clone()
+                                            for o, t in state["residuals"].items()})
+        elif "residuals" in state:
             self.layouts.load(state["residuals"])
 
     def _agreed_kw(self) -> dict[str, bool]:
         return {"agreed": False} if isinstance(self.session, SparseSession) else {}
 
     def reset(self) -> None:
+        self._waiting.clear()
         self._step_buckets.clear()
         self._passed.clear()
         self.layouts.reset()

@@ -53,7 +53,7 @@ from crossover.driver import (
     gravac_or_dense,
 )
 from crossover.driver.records import check_int
-from crossover.driver.session import LOWRANK, QuantSession, cf_session, check_compressor
+from crossover.driver.session import QuantSession, cf_session, check_compressor
 
 from ._collectives import TorchDistCollectives
 from ._engine import Future, _CodecEngine, _Engine, allreduce_mean
@@ -133,10 +133,6 @@ def _sparse_engine(group: Any, name: str, compressor: str, policy: CfPolicy, *, 
                          "'auto' here")
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {', '.join(GATHERS)}; got {gather!r}")
-    if compressor == LOWRANK:
-        raise ValueError(f"compressor={LOWRANK!r} is not on the DDP hook yet (a bucket holds several matrices, each "
-                         "needing its own factors): use it through Horovod (StaticCompression), or PyTorch's "
-                         "powerSGD_hook")
     comm = TorchDistCollectives(group, equal_sizes=gather == "pad")
     # a DDP hook does not see the optimizer: the user says its momentum, else the safe assumption
     session = cf_session(compressor, policy, error_feedback=error_feedback, seed=seed, log_csv=log_csv,
