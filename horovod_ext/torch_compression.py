@@ -23,7 +23,6 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from crossover.adaptive.gravac import GravacPolicy
 from crossover.adaptive.static import StaticPolicy
 from crossover.driver import ALLTOALL_DEFAULT_TRANSPORT, CfPolicy, check_transport, gravac_or_dense
 from crossover.driver.session import cf_session, check_compressor
@@ -44,7 +43,7 @@ class _SparseCompression(TorchHookBase):
                  seed: int, log_csv: str | None, transport: str, tensorboard: Any = None,
                  momentum: float | None = None, clock: Callable[[], float] | None = None) -> None:
         check_transport(transport)
-        check_compressor(compressor, adaptive=isinstance(policy, GravacPolicy))
+        check_compressor(compressor)
         # fixed_gather: exactly k pairs per rank, so a group's allgather keeps its size while the CF does, and
         # Horovod's response cache spares it the full negotiation (a size that changes renegotiates every step)
         # dense_stats_apart: a dense payload is the gradient itself (no copy to append the statistics); the

@@ -36,14 +36,19 @@ def test_momentum_sgd_keeps_dense_accuracy_with_identical_updates():
     assert res[0]["lowrank"]["weights_checksum"] == res[1]["lowrank"]["weights_checksum"]
 
 
-def test_the_adaptive_policy_refuses_it_with_a_reason():
+def adaptive_job(epochs):
+    from benchmarks.digits import train_digits
     from crossover import AdaptiveCompression
-    from crossover.ddp import AdaptiveState
 
-    with pytest.raises(ValueError, match="fixed CF"):
-        AdaptiveCompression("powersgd")
-    with pytest.raises(ValueError, match="fixed CF"):
-        AdaptiveState(compressor="powersgd")
+    return train_digits(AdaptiveCompression("powersgd"), epochs=epochs, lr=0.02, momentum=0.9)
+
+
+def test_the_adaptive_policy_drives_low_rank():
+    res = run_function(adaptive_job, args=[10], timeout=600)
+    for r in res:
+        assert r["last3_accuracy"] > 0.9, r["history"]
+        assert r["compression"]["compressor"] == "powersgd"
+    assert res[0]["weights_checksum"] == res[1]["weights_checksum"]
 
 
 def ddp_job(epochs: int) -> dict:

@@ -116,11 +116,9 @@ def test_vectors_and_small_matrices_go_dense_with_their_statistics():
 
 
 def test_the_session_and_the_compressor_name():
-    assert check_compressor(LOWRANK, adaptive=False) == LOWRANK
-    with pytest.raises(ValueError, match="fixed CF"):
-        check_compressor(LOWRANK, adaptive=True)
+    assert check_compressor(LOWRANK) == LOWRANK
     with pytest.raises(ValueError, match="compressor must be one of"):
-        check_compressor("zip", adaptive=False)
+        check_compressor("zip")
     session = cf_session(LOWRANK, StaticPolicy(cf=10.0), error_feedback=True, seed=0, log_csv=None,
                          rank=lambda: 0, transport="allgather", alltoall=True, fixed_gather=True, momentum=0.9,
                          unknown_momentum=0.0, clock=lambda: 0.0)
@@ -131,3 +129,37 @@ def test_the_session_and_the_compressor_name():
     payload, ctx = session.encode("w", torch.randn(64, 64), comm)
     out = session.decode(payload.clone(), ctx, comm)
     assert out.shape == (64, 64) and session.stats()["bytes_sent"] * 5 < session.stats()["bytes_dense"]
+
+
+def test_probes_measure_what_each_rank_keeps_and_gravac_decides_alike_on_every_rank():
+    """GraVAC over the low-rank family: every probed CF's kept energy comes from one Q (more rank keeps more), and
+    two ranks with different gradients take the same decisions step by step."""
+    from crossover.adaptive.gravac import GravacPolicy
+
+    world, shape = 2, (96, 128)
+    group = SimulatedGroup(world)
+    now = [0.0]
+    sessions = [cf_session(LOWRANK, GravacPolicy(window=4), error_feedback=True, seed=7, log_csv=None,
+                           rank=lambda: 0, transport=None, alltoall=True, fixed_gather=True, momentum=0.0,
+                           unknown_momentum=0.0, clock=lambda: now[0]) for _ in range(world)]
+    views = [group.rank_view(r) for r in range(world)]
+    u = torch.randn(shape[0], 3) * torch.tensor([10.0, 3.0, 1.0])
+    plans = []
+    for _ in range(1, 40):
+        for s, v in zip(sessions, views):
+            s.settle()
+            s.begin_step(v)
+        grads = [u @ torch.randn(3, shape[1]) + 0.1 * torch.randn(shape) for _ in range(world)]
+        enc = [s.encode("w", g, v) for s, g, v in zip(sessions, grads, views)]
+        reduced = torch.stack([e[0] for e in enc]).mean(0)
+        for s, v in zip(sessions, views):
+            s.advance(v)
+        outs = [s.decode(reduced.clone(), e[1], v) for s, e, v in zip(sessions, enc, views)]
+        assert torch.equal(outs[0], outs[1])
+        plans.append([(s.driver.current.sent_cf, s.driver.current.probes) for s in sessions])
+        now[0] += 0.1 if sessions[0].driver.current.sent_cf == 1.0 else 0.05
+    assert all(p[0] == p[1] for p in plans)
+    gains = sessions[0].policy.gains
+    assert gains and all(0.0 < g <= 1.0 + 1e-6 for g in gains.values()), gains
+    ordered = [gains[cf] for cf in sorted(gains)]
+    assert ordered == sorted(ordered, reverse=True), gains  # a higher CF (lower rank) keeps no more

@@ -15,7 +15,9 @@ them and starts every Q allreduce, and `decode` finishes its tensor. The host re
 (`wire.SparseStatsLayout`), whose sums feed the step driver as the sparse codec's do.
 
 The rank comes from the plan's compression factor: the largest r with rows x cols >= cf x r (rows + cols), at
-least 1 and at most min(rows, cols); a tensor that rank 1 does not shrink by at least 2x goes dense.
+least 1 and at most min(rows, cols); a tensor that rank 1 does not shrink by at least 2x goes dense. The CFs a plan
+probes are measured on the same Q (of the largest rank among them): what rank r keeps of M is ||M Q[:, :r]||^2,
+which GraVAC compares as it compares top-k's levels.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class LowRankCtx:
     acc: torch.Tensor | None = None  # M = gradient + residual, as a matrix (the residual's storage when it has one)
     residual: torch.Tensor | None = None
     q: torch.Tensor | None = None  # this step's Q (cols x r), the same on every rank
+    q_rest: torch.Tensor | None = None  # the warm start's columns beyond r (kept for the probes of higher ranks)
     p_handle: Any = None
     q_handle: Any = None
     p: torch.Tensor | None = None  # the orthonormalised averaged P (rows x r)
@@ -106,25 +109,30 @@ class LowRankCodec:
         residual = self.memory.residual(key, grad)
         acc = grad if residual is None else residual.add_(grad)
         dims = matrix_shape(tensor.shape)
-        r = rank_for(*dims, rec.sent_cf) if dims is not None and rec.sent_cf > 1 else 0
+        # the rank of each level (the CF sent and the CFs probed): one Q of the largest serves them all, its first
+        # r columns the rank-r level (its columns are orthonormal and ordered by the power iteration)
+        ranks = {cf: rank_for(*dims, cf) for cf in {*rec.probes, rec.sent_cf} if cf > 1} if dims else {}
+        r, r_max = ranks.get(rec.sent_cf, 0), max(ranks.values(), default=0)
         grad_sq = kernels.sumsq(grad) if residual is not None else None
         acc_sq = kernels.sumsq(acc)
         layout = SparseStatsLayout(len(rec.probes), False)
         ctx = LowRankCtx(kind=cost_model.DENSE, key=key, shape=tensor.shape, numel=numel, nstats=layout.length,
                          step=rec.step, grad=grad, residual=residual,
                          local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
-        kept_sq = acc_sq
-        if r > 0:
+        kept = {cf: acc_sq for cf in rec.probes}
+        if r_max > 0:
             rows, cols = dims
             m = acc.view(rows, cols)
-            q = self._warm_q(key, cols, r, rec.step, acc.device)
-            p = m @ q  # q has orthonormal columns: ||P||^2 is the part of ||M||^2 its span keeps
-            kept_sq = float(p.double().square().sum())
-            ctx.kind, ctx.acc, ctx.q = cost_model.POWERSGD, m, q
-            ctx.p_handle = comm.allreduce_async(p, f"crossover.lowrank.p.{key}")
-            self._pending = [c for c in self._pending if c.step == rec.step] + [ctx]
+            q = self._warm_q(key, cols, r_max, rec.step, acc.device)
+            p = m @ q  # q has orthonormal columns: ||P[:, :r]||^2 is the part of ||M||^2 rank r keeps of it
+            energy = p.double().square().sum(0).cumsum(0)
+            kept = {cf: float(energy[ranks[cf] - 1]) if ranks.get(cf) else acc_sq for cf in rec.probes}
+            if r > 0:
+                ctx.kind, ctx.acc, ctx.q, ctx.q_rest = cost_model.POWERSGD, m, q[:, :r], q[:, r:]
+                ctx.p_handle = comm.allreduce_async(p[:, :r].contiguous(), f"crossover.lowrank.p.{key}")
+                self._pending = [c for c in self._pending if c.step == rec.step] + [ctx]
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
-                                          acc_sq=acc_sq, probe_sq=[kept_sq for _ in rec.probes], momentum=momentum),
+                                          acc_sq=acc_sq, probe_sq=[kept[cf] for cf in rec.probes], momentum=momentum),
                              dtype=torch.float32, device=grad.device)
         if ctx.kind == cost_model.DENSE:
             payload = torch.cat([acc, stats])
@@ -134,13 +142,15 @@ class LowRankCodec:
         return stats, ctx, (r * (dims[0] + dims[1]) + stats.numel()) * 4
 
     def _warm_q(self, key: str, cols: int, r: int, step: int, device: torch.device) -> torch.Tensor:
-        """Last step's Q for `key`, or one drawn from the shared seed (the same on every rank) when there is none
-        of this shape."""
+        """r orthonormal columns for `key`: the last step's Q, completed (or first drawn) with columns from the shared
+        seed, the same on every rank."""
         q = self._q.get(key)
-        if q is not None and q.shape == (cols, r) and q.device == device:
-            return q
+        if q is not None and q.shape[0] == cols and q.shape[1] >= r and q.device == device:
+            return q[:, :r]
+        have = q if q is not None and q.shape[0] == cols and q.device == device else None
         gen = torch.Generator().manual_seed(shared_seed(self.seed, step, key) & 0x7FFF_FFFF_FFFF_FFFF)
-        return _orthonormal(torch.randn(cols, r, generator=gen).to(device))
+        new = torch.randn(cols, r - (0 if have is None else have.shape[1]), generator=gen).to(device)
+        return _orthonormal(new if have is None else torch.cat([have, new], dim=1))
 
     # ------------------------------------------------------------------ decode
     def advance(self, comm: Any) -> None:
@@ -173,8 +183,8 @@ class LowRankCodec:
                 out = self._outputs[ctx.key] = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
             approx = out.view(ctx.acc.shape)
             torch.matmul(ctx.p, q.t(), out=approx)  # the average over ranks of M, in the span of P
-            if finite:
-                self._q[ctx.key] = _orthonormal(q)  # the next step's warm start, the same on every rank
+            if finite:  # the next step's warm start, the same on every rank (columns beyond the rank sent kept)
+                self._q[ctx.key] = _orthonormal(q if not ctx.q_rest.numel() else torch.cat([q, ctx.q_rest], dim=1))
                 if ctx.residual is not None:
                     ctx.acc.sub_(approx)  # what this rank's M has left: error feedback
             if one != 1.0:
@@ -182,7 +192,7 @@ class LowRankCodec:
         if not finite:
             self._undo(ctx)
             out.fill_(float("nan"))
-        ctx.grad = ctx.acc = ctx.residual = ctx.p = ctx.q = None
+        ctx.grad = ctx.acc = ctx.residual = ctx.p = ctx.q = ctx.q_rest = None
         return out.view(ctx.shape), stats
 
     @staticmethod

@@ -148,7 +148,7 @@ def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool 
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
                   momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, optimizer: Any = None,
                   **gravac: Any) -> _Engine:
-    check_compressor(compressor, adaptive=bool(enabled))
+    check_compressor(compressor)
     try:
         policy = gravac_or_dense(enabled, **gravac)  # GravacPolicy's own defaults and checks
     except TypeError as exc:
@@ -167,7 +167,7 @@ def _build_static(group: Any, compressor: str = "topk", *, cf: float = 100.0, er
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
                   transport: str = "allgather", optimizer: Any = None) -> _Engine:
-    check_compressor(compressor, adaptive=False)
+    check_compressor(compressor)
     return _sparse_engine(group, "static", compressor, StaticPolicy(cf=cf), error_feedback=error_feedback,
                           min_compress_numel=min_compress_numel, seed=seed, log_csv=log_csv, gather=gather,
                           clock=clock, transport=transport, optimizer=optimizer)

@@ -321,18 +321,13 @@ def _optimizer_lr(opt: Any) -> float:
     return float(groups[0]["lr"])
 
 
-#: The low-rank family's name among the compressors (``compressor="powersgd"``): fixed CFs only, for now.
+#: The low-rank family's name among the compressors (``compressor="powersgd"``).
 LOWRANK = "powersgd"
 
 
-def check_compressor(compressor: object, *, adaptive: bool) -> str:
-    """`compressor` if it names a selector (top-k, DGC, RedSync, random-k) or the low-rank family, else ValueError.
-    The adaptive policy does not drive the low-rank family yet: it does not measure what each rank keeps."""
+def check_compressor(compressor: object) -> str:
+    """`compressor` if it names a selector (top-k, DGC, RedSync, random-k) or the low-rank family, else ValueError."""
     if compressor == LOWRANK:
-        if adaptive:
-            raise ValueError(f"compressor={LOWRANK!r} runs at a fixed CF for now (StaticCompression, or "
-                             "policy='static' on the DDP hook): the adaptive policy does not yet measure what each "
-                             "rank keeps")
         return LOWRANK
     make_selector(compressor)  # type: ignore[arg-type]  # ValueError naming the known compressors
     return compressor  # type: ignore[return-value]
