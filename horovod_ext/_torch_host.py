@@ -37,9 +37,13 @@ from horovod_ext._internals import (
     torch_process_set,
     torch_quiet_synchronize,
     torch_wait_quietly,
+    version_supported,
 )
 
-__all__ = ["HorovodCollectives", "TorchHookBase", "SHARED_ERROR"]
+__all__ = ["HorovodCollectives", "OUTSIDE", "TorchHookBase", "SHARED_ERROR"]
+
+#: The context of a tensor handed to compress outside an optimizer's step (sent and returned untouched).
+OUTSIDE = "outside-an-optimizer-step"
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ class TorchHookBase(metaclass=CompressionType):
         self._step_small = 0  # tensors passed through in the step in flight: below min_compress_numel
         self._step_other: set[str] = set()  # dtypes of floating gradients passed through as not float32
         self._warned_small = False
+        self._warned_outside = False
         self._passed: list[torch.Tensor] = []  # per tensor passed through this step: finite after the reduction
         self.codec, self.driver = session.codec, session.driver  # for reading: every call goes through the session
 
@@ -127,6 +132,9 @@ class TorchHookBase(metaclass=CompressionType):
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Called by Horovod per gradient; returns the tensor to allreduce and a context."""
         name, opt = torch_hook_caller(tensor)  # must be called from here: Horovod is two frames up
+        if opt is None and version_supported():  # hvd.allreduce(x, compression=...) outside an optimizer's step
+            self._say_outside()
+            return tensor, OUTSIDE  # the exact result: this object's state belongs to its optimizer's gradients
         if opt is not None:
             self._check_owner(opt)
         if self._phase != "compress":
@@ -170,6 +178,8 @@ class TorchHookBase(metaclass=CompressionType):
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
+        if ctx is OUTSIDE:
+            return tensor
         if self._phase == "compress":  # the step's first decompress: every compress of the step is done
             self.comm.flush()
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
@@ -236,6 +246,13 @@ class TorchHookBase(metaclass=CompressionType):
         self.load_state_dict(state)
 
     # ------------------------------------------------------------------ internals
+    def _say_outside(self) -> None:
+        if not self._warned_outside:
+            self._warned_outside = True
+            log.info("crossover: %s used outside a DistributedOptimizer's step (hvd.allreduce(..., compression=...)): "
+                     "the tensor goes through exactly, uncompressed (the object compresses its optimizer's "
+                     "gradients; use hvd.Compression.fp16 to compress other tensors)", type(self).__name__)
+
     def _new_step(self) -> None:
         """The first compress of a step: say once if the last step compressed nothing for its size."""
         if self._step_other and not self._step_large and not self._warned_small:

@@ -35,13 +35,15 @@ def test_static_bad_cf(cf):
     torch.arange(100_000, dtype=torch.int64),
     torch.ones(100_000, dtype=torch.int32),
     torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (100_000,)),
-    torch.ones(10),  # small: goes dense
+    torch.ones(10),  # small
+    torch.randn(100_000),  # large float32: compressed inside an optimizer's step, not outside one
 ])
-def test_non_float_sparse_and_small_tensors_pass_through(tensor):
+def test_outside_an_optimizer_every_tensor_passes_through_exactly(tensor):
     comp = AdaptiveCompression()
     out, ctx = comp.compress(tensor)
-    assert out is tensor and ctx is None
+    assert out is tensor
     assert comp.decompress(out, ctx) is tensor
+    assert comp.stats()["bytes_dense"] == 0  # not the optimizer's gradients: not counted
 
 
 def test_cost_model():
