@@ -53,7 +53,7 @@ def test_growth_with_workers():
 
 def test_agreed_sends_fewer_bytes_than_the_allgather_at_every_world_size():
     for w in WORLDS:
-        for k in (3, 100, 10_000):
+        for k in (30, 100, 10_000):  # (a handful of values sends less than the set's 8 check floats)
             agreed = cm.transport_cost(cm.AGREED, 10 ** 6, k, w).bytes
             assert agreed < cm.transport_cost(cm.ALLGATHER, 10 ** 6, k, w).bytes
 

@@ -62,7 +62,7 @@ INDEX_BYTES = 4
 VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
 GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
-AGREED_CHECK = 4  # floats after the agreed values: two hashes of the index set and their squares
+AGREED_CHECK = 8  # floats after the agreed values: four hashes of the index set and their squares
 #: Proposals fill an agreed set only while W k (the elements the ranks' own top-k lists cover together) is at most
 #: this share of the tensor (CF >= 2 W): on the digits MLP they gained 3.5 and 11 points at CF 10 on 2 and 4 ranks
 #: (W k = 0.2 n, 0.4 n), about 1 at CF 100, and lost 2 to 11 at CF 10 on 8 ranks (0.8 n) with every share from
