@@ -388,3 +388,31 @@ def test_a_forked_child_neither_holds_nor_writes(sched_dir: str, tmp_path: Path)
     rec.close()
     (stream,) = telemetry.load(str(tmp_path))
     assert stream.spans["compute"] == [(1.0, 2.0)]
+
+
+def test_a_stop_that_arrives_while_a_message_is_handled_is_not_lost(sched_dir: str) -> None:
+    """SIGTERM raised inside a client's message handler (the signal arriving mid-answer) used to be caught by the
+    per-message error handler: the connection closed and the daemon ran on until its idle exit."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from crossover.scheduler import daemon
+        handle = daemon.Daemon._handle
+        def signalled(self, c, msg):
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode: inside the handler
+            return handle(self, c, msg)
+        daemon.Daemon._handle = signalled
+        sys.exit(daemon.main(["--dir", {sched_dir!r}, "--idle-exit", "30"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(paths.socket_path(sched_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        c = SchedulerClient("job", "m", directory=sched_dir, autostart=False)
+        c.connect(wait=5)  # its hello is the message during which the signal arrives
+        assert proc.wait(timeout=5) == 0  # the stop took effect at once, not at the idle exit (30 s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -71,8 +71,9 @@ RECV_SIZE = 65536
 _UCRED = struct.Struct("3i")
 
 
-class _Stop(Exception):
-    """Raised by the signal handler to leave the event loop."""
+class _Stop(BaseException):
+    """Raised by the signal handler to leave the event loop: a BaseException, so that no handler of a client's
+    message (``except Exception``) can swallow a stop that arrives while the daemon answers a client."""
 
 
 class InternalError(RuntimeError):
