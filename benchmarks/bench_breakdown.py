@@ -36,7 +36,7 @@ short job: with HOROVOD_TIMELINE=DYNAMIC set Horovod spends CPU all along, so th
 
 The ratios of the issue's targets are taken round by round (the medians of the two methods' blocks in the
 same round) and summarised by their median, min and max over the rounds. --md writes the whole report as
-markdown (default docs/hvd-breakdown.md).
+markdown (default reports/hvd-breakdown.md).
 """
 
 from __future__ import annotations
@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-timeline", action="store_true",
                    help="no Horovod timeline in the attribution pass (no negotiation / fused-collective counts)")
     p.add_argument("--timelines", default=None, help="keep the Horovod timelines of the attribution pass here")
-    p.add_argument("--md", default="docs/hvd-breakdown.md", help="markdown report to write ('' for none)")
+    p.add_argument("--md", default="reports/hvd-breakdown.md", help="markdown report to write ('' for none)")
     p.add_argument("--json", default=None, help="write summary and raw records here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
 One command (root needed: network namespaces)::
 
-    python -m benchmarks.bench_scaling                  # writes docs/scaling-measured.md (generated)
+    python -m benchmarks.bench_scaling                  # writes reports/scaling-measured.md (generated)
     python -m benchmarks.bench_scaling --hosts 2 8 --methods dense agreed --steps 30 --out /tmp/s.md
 
 For each host count an ``EmulatedCluster`` (``benchmarks/netem``: one namespace per host, ``--rate`` up and down
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-compress-numel", type=int, default=16384, help="smaller tensors go dense (default 16384)")
     p.add_argument("--idle", type=float, default=1.0, help="seconds of idle counting before training (default 1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job before it is killed (default 900)")
-    p.add_argument("--out", default="docs/scaling-measured.md", help="markdown to write")
+    p.add_argument("--out", default="reports/scaling-measured.md", help="markdown to write")
     p.add_argument("--json", default=None, help="also write every rank's figures here")
     return p
 

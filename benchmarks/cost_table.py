@@ -4,7 +4,7 @@ Pure arithmetic (``crossover/compression/cost_model.py``), no training and no ne
 deterministic. One model of ``--params`` float32 gradient elements, compressed at ``--cf`` (dense and fp16 send
 everything), each worker on a link of ``--rate`` with ``--alpha-us`` per collective round.
 
-    python -m benchmarks.cost_table                     # writes docs/cost-model.md and docs/img/cost-model.png
+    python -m benchmarks.cost_table                     # writes reports/cost-model.md and reports/img/cost-model.png
     python -m benchmarks.cost_table --params 1.1e6 --cf 100 --rate 1gbit --out /tmp/x.md --png /tmp/x.png
 """
 
@@ -73,7 +73,7 @@ def markdown(params: int, cf: float, link: cm.Link, data: list[dict[str, object]
     lines = [
         "# Cost model: bytes and time per worker, 2 to 1 024 workers (generated)", "",
         f"Command: `{command}`. Pure arithmetic from `crossover/compression/cost_model.py`; the model and what",
-        "it leaves out are described in [scaling.md](scaling.md).", "",
+        "it leaves out are described in [docs/scaling.md](../docs/scaling.md).", "",
         f"One gradient of {params:,} float32 elements ({4 * params / 1e6:.1f} MB); compressed transports send "
         f"k = {k:,} elements (CF {cf:g}); link {link.rate_bps / 1e9:g} Gbit/s each way, "
         f"alpha = {1e6 * link.alpha_s:g} us per collective round.", "",
@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cf", type=float, default=100.0, help="compression factor of the sparse transports (default 100)")
     p.add_argument("--rate", type=_rate, default=1e9, help="link rate each way, e.g. 1gbit (default 1gbit)")
     p.add_argument("--alpha-us", type=float, default=50.0, help="latency per collective round in us (default 50)")
-    p.add_argument("--out", default="docs/cost-model.md", help="markdown to write (default docs/cost-model.md)")
-    p.add_argument("--png", default="docs/img/cost-model.png", help="plot to write ('' for none)")
+    p.add_argument("--out", default="reports/cost-model.md", help="markdown to write (default reports/cost-model.md)")
+    p.add_argument("--png", default="reports/img/cost-model.png", help="plot to write ('' for none)")
     return p
 
 

@@ -1,13 +1,13 @@
-"""`make bench`: run the benchmark matrix that fits this machine and regenerate BENCHMARKS.md from it.
+"""`make bench`: run the benchmark matrix that fits this machine and regenerate reports/BENCHMARKS.md from it.
 
     python -m benchmarks.run_all                 # the default matrix (about 2 h 45 min on 2 cores; root for netem)
     python -m benchmarks.run_all --quick         # tiny sizes: checks that every piece runs (a few minutes)
-    python -m benchmarks.run_all --only tta,crossover --report BENCHMARKS.md
+    python -m benchmarks.run_all --only tta,crossover --report reports/BENCHMARKS.md
     python -m benchmarks.run_all --only tta-lstm --merge   # re-run one section into the last run's outputs
     python -m benchmarks.run_all --large --data-root /data   # 4 hosts, 10 Gbit/s, real data sets (hours)
 
 Every figure in the report comes from this run: each section records its exact command, its printed
-output and its plots (copied to docs/img/bench/). Sections that need the emulated network are skipped,
+output and its plots (copied to reports/img/bench/). Sections that need the emulated network are skipped,
 with the reason, when it is unavailable (not root, no `tc`).
 """
 
@@ -31,13 +31,13 @@ from .report import FINAL_WINDOW
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent  # this package's folder
-IMG = Path("docs/img/bench")
-HISTORY = Path("docs/history/early-benchmarks.md")  # the hand-written analysis of earlier runs
+IMG = Path("reports/img/bench")
+HISTORY = Path("reports/history/early-benchmarks.md")  # the hand-written analysis of earlier runs
 
 
 def image_dir(report: Path) -> Path:
-    """Where a report's plots go: docs/img/bench for BENCHMARKS.md, docs/img/<report name> for another."""
-    return IMG if report.name == "BENCHMARKS.md" else Path("docs/img") / report.stem
+    """Where a report's plots go: reports/img/bench for BENCHMARKS.md, reports/img/<report name> for another."""
+    return IMG if report.name == "BENCHMARKS.md" else IMG.parent / report.stem
 
 #: the time-to-accuracy matrix (issue 12): what a user could fix by hand, and the adaptive methods with
 #: their defaults (`gravac` is `AdaptiveCompression()` exactly as the README writes it; `dqsgd` is
@@ -80,7 +80,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
     # Repeats (each on its own seed, tta_runs): one run per method let a slow phase of this shared 2-core machine
     # decide a section. In the run of commit 4c786ca the single AdaptiveCompression() runs of the LSTM and
     # ResNet-18 sections ran their steps 15 to 20 % slower than the static runs at the same CF, and an A/B
-    # right after, in alternating order, showed no such gap (docs/history/gravac-runs.md, "Run F").
+    # right after, in alternating order, showed no such gap (reports/history/gravac-runs.md, "Run F").
     return [
         TtaTask("tta-100mbit", "digits MLP (width 1), 2 emulated hosts at 100 Mbit/s", (*mlp, "--width", "1"), 2,
                 "100mbit", digits_len, 5, repeats=1 if quick else SEEDS, minutes=10),
@@ -88,7 +88,7 @@ def tta_tasks(quick: bool) -> list[TtaTask]:
                 "1gbit", digits_len, 5, repeats=1 if quick else SEEDS, minutes=19),
         # Side by side (every method of a repeat in one job, in turns of 10 steps): run by run, with 4 ranks on 2
         # cores, the adaptive runs took 0.70x to 1.49x static top-k 100x's time over four seeds while sending the
-        # same CF on the same steps (docs/history/gravac-runs.md, "Runs G and H"): separate runs compared the
+        # same CF on the same steps (reports/history/gravac-runs.md, "Runs G and H"): separate runs compared the
         # machine's phases.
         TtaTask("tta-1gbit-4hosts", "digits MLP (width 4), 4 emulated hosts at 1 Gbit/s (2 cores: 2 ranks share "
                 "a core), methods side by side", (*mlp, "--width", "4"), 4, "1gbit", digits_len, 5,
@@ -276,7 +276,7 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
                 "per emulated host), Horovod and torch.distributed side by side, in turns of 10 steps that rotate "
                 "every round: the median step and its phases, crossover's own work, the collectives after "
                 "Horovod's fusion and its negotiation (timeline), and the targets as per-round paired ratios. "
-                "Also written to docs/hvd-breakdown.md.",
+                "Also written to reports/hvd-breakdown.md.",
                 [Run([py, "-m", f"{__package__}.bench_breakdown", "--rounds", "2" if quick else "40",
                       "--warmup", "10" if quick else "60", "--json", str(out / "breakdown.json"),
                       *(["--md", ""] if quick else [])])],
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/bench", help="where runs keep their files (default %(default)s)")
-    p.add_argument("--report", default="BENCHMARKS.md", help="report to write (default %(default)s)")
+    p.add_argument("--report", default="reports/BENCHMARKS.md", help="report to write (default %(default)s)")
     p.add_argument("--no-report", action="store_true", help="run, but leave the report alone")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rewrite the report from the outputs an earlier run left in --out")

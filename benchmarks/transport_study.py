@@ -24,7 +24,7 @@ Candidates (all keep error feedback for everything not sent):
   each rank's top-k pairs to their indices' owners by alltoall, each owner's ceil(k/W) largest sums by allgather
   (the ranks decode in threads: the allgather starts inside decode).
 
-    python -m benchmarks.transport_study --ranks 2 8 --seeds 0 1 2 --out docs/transport-study.md
+    python -m benchmarks.transport_study --ranks 2 8 --seeds 0 1 2 --out reports/transport-study.md
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="batch per rank (default 32)")
     p.add_argument("--min-compress-numel", type=int, default=16384, help="smaller tensors go dense (default 16384)")
     p.add_argument("--eval-every", type=int, default=5, help="evaluate every N steps (default 5)")
-    p.add_argument("--out", default="docs/transport-study.md", help="markdown table to write")
+    p.add_argument("--out", default="reports/transport-study.md", help="markdown table to write")
     p.add_argument("--append", action="store_true",
                    help="append this run's section to --out instead of replacing the file")
     p.add_argument("--json", default=None, help="also write every run here")

@@ -1,10 +1,11 @@
 """Every relative link in the README and the docs resolves: the file exists, and a ``#anchor`` names a heading.
 
 Checked: markdown links and images (``[t](x)``, ``![a](x)``, reference definitions ``[r]: x``) and HTML ``href``
-and ``src`` attributes, outside fenced code blocks and inline code, in README.md, BENCHMARKS.md and every .md under
-docs/. A link is resolved from the folder of the page holding it, as GitHub renders it; external links (a URL
-scheme) are left alone. Anchors follow GitHub's heading slugs: the heading's text without markup, lower case,
-punctuation other than ``-`` and ``_`` removed, spaces turned into ``-``, repeats numbered ``-1``, ``-2``.
+and ``src`` attributes, outside fenced code blocks and inline code, in README.md and every .md under docs/ and
+reports/ (the generated results). A link is resolved from the folder of the page holding it, as GitHub renders
+it; external links (a URL scheme) are left alone. Anchors follow GitHub's heading slugs: the heading's text
+without markup, lower case, punctuation other than ``-`` and ``_`` removed, spaces turned into ``-``, repeats
+numbered ``-1``, ``-2``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
 def pages() -> list[Path]:
-    return [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "reports").rglob("*.md"))]
 
 
 def prose_lines(text: str) -> list[str]:
@@ -151,10 +152,10 @@ def test_every_relative_link_resolves(page: Path) -> None:
     assert not bad, "broken links:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("report", ["BENCHMARKS.md", "docs/benchmarks-x.md"])
+@pytest.mark.parametrize("report", ["reports/BENCHMARKS.md", "reports/benchmarks-x.md"])
 def test_generated_reports_link_from_where_they_are_written(tmp_path: Path, monkeypatch, report: str) -> None:
-    """benchmarks/run_all.py writes BENCHMARKS.md at the root and other reports under docs/: its links must
-    resolve from either place."""
+    """benchmarks/run_all.py writes reports/BENCHMARKS.md and other reports under reports/: their links must
+    resolve from where they are written."""
     from benchmarks import run_all
 
     monkeypatch.setattr(run_all, "REPO", tmp_path)

@@ -186,7 +186,7 @@ def test_driver_state_keeps_the_transport_choice():
 def test_default_transports_and_check_transport():
     """Horovod's adaptive objects choose between the sparse reduce-scatter and the allgather ("auto"); the DDP hook
     and the static objects keep each rank's own pairs unless asked (the agreed set lost accuracy at CF 10 on 4 and
-    8 ranks, docs/transport-study.md; the DDP hook has no alltoall); a bad transport fails at construction."""
+    8 ranks, reports/transport-study.md; the DDP hook has no alltoall); a bad transport fails at construction."""
     from crossover import AdaptiveCompression, StaticCompression
     from crossover.ddp import AdaptiveState
     from horovod_ext.torch_compression import GravacCompression

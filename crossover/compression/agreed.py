@@ -17,7 +17,7 @@ whose bytes per worker do not grow with W. The agreed set makes top-k indices sh
   cut to k, and filled up to k with indices drawn from the shared seed. So every rank holds the same set for
   step t+1 with no further communication. The drawn part matters: a set of proposals only sends, step after
   step, what single ranks' noisy accumulators rank highest, and leaves the rest of the residual to grow stale
-  (on the digits MLP at 8 ranks it lost even to random-k; docs/transport-study.md).
+  (on the digits MLP at 8 ranks it lost even to random-k; reports/transport-study.md).
 
 The first step of a tensor, a step after a dense or skipped one, or after a change of k uses k indices
 drawn from the shared seed (random-k) instead. A fingerprint of the set rides in the payload

@@ -66,7 +66,7 @@ AGREED_CHECK = 8  # floats after the agreed values: four hashes of the index set
 #: Proposals fill an agreed set only while W k (the elements the ranks' own top-k lists cover together) is at most
 #: this share of the tensor (CF >= 2 W): on the digits MLP they gained 3.5 and 11 points at CF 10 on 2 and 4 ranks
 #: (W k = 0.2 n, 0.4 n), about 1 at CF 100, and lost 2 to 11 at CF 10 on 8 ranks (0.8 n) with every share from
-#: 1/40 to 1/4 (docs/transport-study.md).
+#: 1/40 to 1/4 (reports/transport-study.md).
 AGREED_PROPOSAL_COVER = 0.5
 
 
@@ -74,7 +74,7 @@ def agreed_share(k: int, numel: int, world: int) -> float:
     """Share of an agreed set of k of ``numel`` elements filled by the ranks' proposals at ``world`` ranks (the
     shared seed draws the rest): min(1/2, 1/W) while W k <= AGREED_PROPOSAL_COVER numel, else 0 (a random-k set).
     1/W measured best of 1/2, 1/4 and 1/8 at 2, 4 and 8 ranks at CF 100 within a seed's spread
-    (docs/transport-study.md): each rank's own top entries are noisier the more ranks share the set."""
+    (reports/transport-study.md): each rank's own top entries are noisier the more ranks share the set."""
     w = max(1, int(world))
     if w * int(k) > AGREED_PROPOSAL_COVER * int(numel) + w:  # + W: CF 2 W exactly keeps k = ceil(n / 2W)
         return 0.0

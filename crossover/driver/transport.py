@@ -50,10 +50,10 @@ __all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "CfState", "DEFAULT_TRANSPORT", "QUANT_
 #: Shared-index selectors (random-k) always allreduce: pass None.
 TRANSPORTS = ("auto", AGREED, SCATTER, ALLGATHER)
 #: The DDP hook's default: each rank's own pairs ("auto" and "agreed" are opt-in: the agreed set at CF 10 lost
-#: 1.3-1.4 points against dense on 4-8 ranks, docs/transport-study.md).
+#: 1.3-1.4 points against dense on 4-8 ranks, reports/transport-study.md).
 DEFAULT_TRANSPORT = ALLGATHER
 #: Horovod's default (a host with an alltoall): "auto" over the sparse reduce-scatter and the allgather, which kept
-#: the allgather's accuracy at CF 10 and 100 on 4 and 8 ranks at 0.21x dense's bytes (docs/transport-study.md).
+#: the allgather's accuracy at CF 10 and 100 on 4 and 8 ranks at 0.21x dense's bytes (reports/transport-study.md).
 ALLTOALL_DEFAULT_TRANSPORT = "auto"
 #: ``transport=`` of the quantizers: "auto" (the fewer bytes of the two), packed codes by allgather, or
 #: dequantized fp16 values by allreduce.
