@@ -202,6 +202,53 @@ def test_bad_command_lines_are_usage_errors(argv: list[str], work: Path) -> None
     assert "usage: crossover-run" in r.stderr and "error:" in r.stderr
 
 
+STAND_IN = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from crossover.scheduler.telemetry import Recorder
+    Path(f"started.{os.environ['CROSSOVER_JOB']}").write_text("")  # which jobs ran
+    r = Recorder(os.environ["CROSSOVER_TELEMETRY_DIR"], os.environ["CROSSOVER_JOB"], "rank0", "localhost", "cpu")
+    t = time.time()
+    for i in range(3):
+        r.span("compute", t + i, t + i + 0.5)
+        r.span("wait_comm", t + i + 0.5, t + i + 1)
+        r.step(i, t + i + 1, 0.5, 0.0, 0.5)
+    r.close()
+""")
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Path:
+    """A folder with job.py and a stand-in horovodrun (no Horovod start-up: one rank's telemetry, written at
+    once) that leaves ``started.<job>`` behind, so a test sees which jobs ran."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "job.py").write_text("")
+    fake = d / "horovodrun"
+    fake.write_text(f"#!{sys.executable}\n" + STAND_IN)
+    fake.chmod(0o755)
+    return d
+
+
+def _run_stand_in(d: Path, *args: str, jobs: tuple[str, ...] = ("job.py", "job.py")
+                  ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(RUN + ["--horovodrun", str(d / "horovodrun"), "-np", "1", "--no-progress", *args, *jobs],
+                          env=_env(), cwd=str(d), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("names", ["..,b", ".,b", "-x,b", ".hidden,b", "a/b,c", ",b", "a,a"])
+def test_job_names_that_are_not_plain_file_names_are_refused(stand_in: Path, names: str) -> None:
+    """Job names become folder names (--tensorboard DIR/<job>) and file names (telemetry): `--names ..,b`
+    wrote job '..''s TensorBoard run into DIR's parent. Now such a name is a usage error before any job runs."""
+    r = _run_stand_in(stand_in, f"--names={names}", "--tensorboard", str(stand_in / "tb"))
+    assert r.returncode == 2, r
+    assert "usage: crossover-run" in r.stderr and "--names:" in r.stderr
+    assert not list(stand_in.glob("started.*")), "a job ran"
+    assert not list(stand_in.rglob("events.out.tfevents.*"))
+    if names != "a,a":
+        assert f"bad job name {names.split(',')[0]!r}" in r.stderr
+
+
 def test_help_and_dry_run(work: Path) -> None:
     r = subprocess.run(RUN + ["--help"], env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0

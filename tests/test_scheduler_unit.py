@@ -412,6 +412,31 @@ def test_split_bare_and_job_names() -> None:
         "t-1", "t-2", "pkg.mod", "u_v", "t-1-1"]
 
 
+@pytest.mark.parametrize("names", ["..,b", ".,b", "a/b,c", "a\0b,c", ",b", "-x,b", "a," + "x" * 65])
+def test_plan_refuses_job_names_that_are_not_plain_file_names(names, tmp_path, capsys) -> None:
+    script = tmp_path / "a.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        run.plan_jobs(["-np", "1", f"--names={names}", str(script), "--", str(script)])
+    assert exc.value.code == 2
+    assert "--names: bad job name" in capsys.readouterr().err
+
+
+def test_job_names_from_scripts_are_plain_file_names() -> None:
+    from crossover.scheduler.plan import job_names
+
+    assert job_names([["..py"], ["-m", ".."], ["-m", "-x.y"], [".hidden.py"]]) == ["py", "job", "x.y", "hidden"]
+
+
+def test_tensorboard_runs_stay_inside_their_folder_whatever_the_job_name_in_the_telemetry() -> None:
+    from crossover.scheduler.tboard import _safe
+
+    for name in ("..", ".", "", "-x", "a/../..", ".hidden"):
+        safe = _safe(name)
+        assert "/" not in safe and safe[0] not in ".-" and os.path.basename(safe) == safe, (name, safe)
+    assert _safe("train-1") == "train-1"
+
+
 def test_default_np_says_what_it_chose(monkeypatch) -> None:
     import torch
 

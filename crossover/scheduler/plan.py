@@ -31,7 +31,9 @@ __all__ = ["Job", "UsageError", "build_parser", "plan_jobs", "job_names", "split
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PYTHON_RE = re.compile(r"^python[0-9.]*$")
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# a job name is a file and folder name (telemetry, --tensorboard DIR/<job>): no ".", "..", "/", NUL, leading - or .
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_NAME_RULE = "1 to 64 letters, digits, _ . -, starting with a letter, digit or _"
 PROGRESS_EVERY_S = 10.0  # plain progress lines (not a terminal): often enough to see a job move, few in a log
 
 EPILOG = """\
@@ -116,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     x.add_argument("--fail-fast", action="store_true", help="stop every job as soon as one fails")
     x.add_argument("--names", help="comma-separated job names (default: the scripts' names, numbered when one "
-                                   "script runs twice); the same on every host")
+                                   f"script runs twice); the same on every host. Each is {_NAME_RULE} (names "
+                                   "become file and folder names: '.', '..', '/' and a leading '-' are refused)")
     x.add_argument("--weights", help="comma-separated job weights (default 1 each): a job of weight 2 gets "
                                      "two turns per turn of a weight-1 job when they compete")
     x.add_argument("--lease", type=settings.LEASE_S.arg_type(),
@@ -210,6 +213,20 @@ def _weights(text: str | None, n: int) -> list[float]:
         raise UsageError(str(exc)) from None
 
 
+def _check_names(text: str, n: int) -> list[str]:
+    """The ``--names`` list: ``n`` distinct valid names, else :class:`UsageError` naming the culprit."""
+    names = text.split(",")
+    if len(names) != n:
+        raise UsageError(f"--names: need {n} comma-separated names (one per job), got {len(names)}")
+    for name in names:
+        if not _NAME_RE.fullmatch(name):
+            raise UsageError(f"--names: bad job name {name!r}: a job name is {_NAME_RULE} (it becomes a file and "
+                             f"folder name, so '.', '..', path separators and a leading '-' are refused)")
+    if len(set(names)) != n:
+        raise UsageError(f"--names: the names must be distinct, got {text!r}")
+    return names
+
+
 def plan_jobs(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
               ) -> tuple[argparse.Namespace, list[Job]]:
     """Parse a command line into options and jobs (commands and environments). Usage errors exit 2."""
@@ -224,9 +241,7 @@ def plan_jobs(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
         if not job_tokens:
             raise UsageError("no job given (put a script after the options)")
         n = len(job_tokens)
-        names = args.names.split(",") if args.names else job_names(job_tokens)
-        if len(names) != n or len(set(names)) != n or not all(_NAME_RE.fullmatch(x) for x in names):
-            raise UsageError(f"--names: need {n} distinct names of letters, digits, _ . -")
+        names = _check_names(args.names, n) if args.names is not None else job_names(job_tokens)
         args.np_reason = "given"
         if args.np is None:
             args.np, args.np_reason = default_np()
@@ -277,7 +292,8 @@ def split_bare(tokens: Sequence[str]) -> list[list[str]]:
 
 def job_names(job_tokens: Sequence[Sequence[str]]) -> list[str]:
     """Each job named after its script (``train.py`` -> ``train``) or module; a name that comes up more than once
-    is numbered (``train-1``, ``train-2``)."""
+    is numbered (``train-1``, ``train-2``). Characters other than letters, digits, ``_ . -`` become ``_`` and
+    leading ``.`` and ``-`` are dropped, so that every name is a plain file name (``job`` if nothing is left)."""
     bases = []
     for tokens in job_tokens:
         toks = list(tokens[1:] if tokens and _is_python(tokens[0]) else tokens)
@@ -287,7 +303,7 @@ def job_names(job_tokens: Sequence[Sequence[str]]) -> list[str]:
             base = os.path.splitext(os.path.basename(toks[0]))[0]
         else:
             base = "job"
-        bases.append(re.sub(r"[^A-Za-z0-9_.-]", "_", base)[:56] or "job")
+        bases.append(re.sub(r"[^A-Za-z0-9_.-]", "_", base).lstrip(".-")[:56] or "job")
     counts = collections.Counter(bases)
     taken: set[str] = set()
     names = []

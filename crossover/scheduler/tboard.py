@@ -27,7 +27,11 @@ TAGS = ("busy", "overlap", "wait_for_turn_s", "compute_s", "comm_wait_s", "step_
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "_"
+    """``name`` as one plain folder or file name: other characters become ``_``, and a name that starts with
+    ``.`` or ``-`` (``.``, ``..``, a hidden folder, an option) gets a ``_`` in front. crossover-run refuses such
+    job names; the telemetry it reads them from was written by the jobs, so they are not trusted here."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
+    return safe if safe[:1] not in ("", ".", "-") else "_" + safe[:79]
 
 
 def write_scalars(out: OutputDir, streams: list[telemetry.Stream]) -> list[str]:
