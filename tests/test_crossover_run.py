@@ -249,6 +249,54 @@ def test_job_names_that_are_not_plain_file_names_are_refused(stand_in: Path, nam
         assert f"bad job name {names.split(',')[0]!r}" in r.stderr
 
 
+def _bad_outputs(d: Path, case: str) -> list[str]:
+    """The command-line options of one bad output case, with what it needs made in ``d``."""
+    (d / "existing").mkdir()
+    (d / "mine.png").write_text("mine\n")
+    (d / "elsewhere").mkdir()
+    if case == "plot-is-a-folder":
+        return ["--plot", str(d / "existing"), "--tensorboard", str(d / "tb")]
+    if case == "timeline-is-a-folder":
+        return ["--timeline", str(d / "existing"), "--tensorboard", str(d / "tb")]
+    if case == "plot-ends-with-a-slash":
+        return ["--plot", str(d / "new") + "/"]
+    if case == "plot-is-a-link":
+        (d / "link.png").symlink_to(d / "mine.png")
+        return ["--plot", str(d / "link.png"), "--tensorboard", str(d / "tb")]
+    if case == "plot-is-the-timeline":
+        return ["--plot", str(d / "out.json"), "--timeline", str(d / "." / "out.json")]
+    if case == "tensorboard-run-is-a-link":
+        (d / "tb").mkdir()
+        (d / "tb" / "job-2").symlink_to(d / "elsewhere")
+        return ["--tensorboard", str(d / "tb")]
+    if case == "tensorboard-run-is-a-file":
+        (d / "tb").mkdir()
+        (d / "tb" / "job-1").write_text("")
+        return ["--tensorboard", str(d / "tb")]
+    assert case == "telemetry-dir-is-a-file"
+    return ["--telemetry-dir", str(d / "mine.png"), "--tensorboard", str(d / "tb")]
+
+
+@pytest.mark.parametrize("case", ["plot-is-a-folder", "timeline-is-a-folder", "plot-ends-with-a-slash",
+                                  "plot-is-a-link", "plot-is-the-timeline", "tensorboard-run-is-a-link",
+                                  "tensorboard-run-is-a-file", "telemetry-dir-is-a-file"])
+def test_every_output_path_is_checked_before_any_job_starts(stand_in: Path, case: str) -> None:
+    """`--plot EXISTING_DIR --tensorboard DIR` ran the jobs, failed on the plot at the end and lost the TensorBoard
+    scalars (exit 0). Now every path crossover-run writes is checked at start: a usage error (exit 2) naming it,
+    no job started, nothing written, a symbolic link never written through."""
+    r = _run_stand_in(stand_in, *_bad_outputs(stand_in, case))
+    assert r.returncode == 2, r
+    assert "usage: crossover-run" in r.stderr and "error:" in r.stderr
+    assert not list(stand_in.glob("started.*")), f"a job ran: {r}"
+    assert not list(stand_in.rglob("events.out.tfevents.*")) and not (stand_in / "out.json").exists()
+    assert (stand_in / "mine.png").read_text() == "mine\n" and list((stand_in / "elsewhere").iterdir()) == []
+    said = {"plot-is-a-folder": "is a folder", "timeline-is-a-folder": "is a folder",
+            "plot-ends-with-a-slash": "names a folder", "plot-is-a-link": "is a symbolic link",
+            "plot-is-the-timeline": "name the same file", "tensorboard-run-is-a-link": "is a symbolic link",
+            "tensorboard-run-is-a-file": "is a symbolic link or a file", "telemetry-dir-is-a-file": "not a directory"}
+    assert said[case] in r.stderr, r.stderr
+
+
 def test_help_and_dry_run(work: Path) -> None:
     r = subprocess.run(RUN + ["--help"], env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0

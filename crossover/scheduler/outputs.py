@@ -9,6 +9,7 @@ a path swapped while the jobs run changes nothing. Files are 0600 and directorie
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -32,6 +33,35 @@ def _open_new_subdir(parent_fd: int, name: str, shown: str) -> int:
         os.close(fd)
         raise paths.SchedulerDirError(f"{shown} does not belong to this user")
     return fd
+
+
+def _check_writable_dir(dir_fd: int, shown: str, what: str) -> None:
+    """Refuse a folder this process may not create files in (permissions, a read-only file system)."""
+    if not os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd):
+        raise paths.SchedulerDirError(f"{shown} ({what}): cannot create files there (no write permission or a "
+                                      f"read-only file system)")
+
+
+def _check_file_target(dir_fd: int, name: str, shown: str, what: str) -> None:
+    """Refuse now, before any job starts, what writing the file ``name`` of ``dir_fd`` at the end would refuse:
+    a folder, a symbolic link, anything but a plain file of this user with a single link, a file or folder this
+    process may not write. A missing file is fine (it is created at the end). Nothing is changed."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        _check_writable_dir(dir_fd, os.path.dirname(shown), f"folder of the {what}")
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise paths.SchedulerDirError(f"{what} {shown} is a folder: give the path of a file in it, or another path")
+    if stat.S_ISLNK(st.st_mode):
+        raise paths.SchedulerDirError(f"{what} {shown} is a symbolic link; crossover never writes through one: "
+                                      f"remove it or give another path")
+    if not stat.S_ISREG(st.st_mode):
+        raise paths.SchedulerDirError(f"{what} {shown} is not a regular file: remove it or give another path")
+    try:  # owner, link count and write permission, as the final write checks them (the file is not changed)
+        os.close(paths.open_own_file(name, os.O_WRONLY, dir_fd=dir_fd, shown=shown))
+    except OSError as exc:
+        raise paths.SchedulerDirError(f"{what} {shown}: cannot write it: {exc.strerror or exc}") from None
 
 
 def _write_at(dir_fd: int, name: str, data: bytes, shown: str) -> None:
@@ -106,14 +136,25 @@ class RunDir:
 
 
 class OutputFile:
-    """A report file named on the command line: its folder is opened (and checked) now, the file written later."""
+    """A report file named on the command line: its folder is opened (and checked) now, and so is the file if it
+    exists (:func:`_check_file_target`); the file is written later."""
 
     def __init__(self, path: str, what: str) -> None:
         self.path = os.path.abspath(path)
         self.name = os.path.basename(self.path)
-        if not self.name:
-            raise paths.SchedulerDirError(f"{what} {path}: not a file name")
+        if not self.name or path.endswith(os.sep):
+            raise paths.SchedulerDirError(f"{what} {path}: names a folder, not a file")
         self._dir_fd = paths.open_dir(os.path.dirname(self.path), f"folder of the {what}", create=True)
+        try:
+            _check_file_target(self._dir_fd, self.name, self.path, what)
+        except BaseException:
+            self.close()
+            raise
+
+    def same_file(self, other: OutputFile) -> bool:
+        """Whether both name the same file (the same name in the same folder, whatever the path said)."""
+        here, there = os.fstat(self._dir_fd), os.fstat(other._dir_fd)
+        return self.name == other.name and (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
     def write(self, data: bytes) -> None:
         """Create or replace the file (never through a symbolic link, never another user's file)."""
@@ -135,17 +176,43 @@ class OutputDir:
 
     def __init__(self, path: str, what: str) -> None:
         self.path = os.path.abspath(path)
+        self.what = what
         self.fd = paths.open_dir(self.path, what, create=True)
+        try:
+            _check_writable_dir(self.fd, self.path, what)
+        except BaseException:
+            self.close()
+            raise
+
+    def check_subdir(self, name: str) -> None:
+        """Refuse now what :meth:`subdir` would refuse later: an entry ``name`` that is not a plain directory of
+        ours (a symbolic link, a file, another user's folder). A missing one is fine. Nothing is created."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        fd = self._open_subdir(name)
+        try:
+            _check_writable_dir(fd, os.path.join(self.path, name), f"a folder of {self.what}")
+        finally:
+            os.close(fd)
 
     def subdir(self, name: str) -> int:
         """Open (creating it 0700 if missing) the sub-directory ``name``, which must be a plain directory of ours;
         the caller closes the descriptor."""
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o700, dir_fd=self.fd)
+        return self._open_subdir(name)
+
+    def _open_subdir(self, name: str) -> int:
         shown = os.path.join(self.path, name)
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise paths.SchedulerDirError(f"{shown} (a job's folder in {self.what}) is a symbolic link or a file, "
+                                              f"not a folder; crossover never writes through a link: remove it or "
+                                              f"give another {self.what}") from None
             raise paths.SchedulerDirError(f"cannot open {shown}: {exc} (a symbolic link is never followed)") from None
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_mode & 0o022:

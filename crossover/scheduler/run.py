@@ -150,21 +150,27 @@ def _run(jobs: list[Job], fail_fast: bool, grace: float, progress: _Progress | N
 
 
 class _Outputs:
-    """Every place the run writes to, opened (and checked) before any job starts; closed at exit."""
+    """Every place the run writes to, opened (and checked: folders, existing files, the TensorBoard run folders
+    of ``jobs``) before any job starts; closed at exit."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, jobs: list[str]) -> None:
         self.run_dir: outputs.RunDir | None = None
         self.timeline: outputs.OutputFile | None = None
         self.plot: outputs.OutputFile | None = None
         self.tensorboard: outputs.OutputDir | None = None
         try:
-            self.run_dir = outputs.RunDir.new(args.telemetry_dir)
             if args.timeline:
                 self.timeline = outputs.OutputFile(args.timeline, "--timeline")
             if args.plot:
                 self.plot = outputs.OutputFile(args.plot, "--plot")
+            if self.timeline is not None and self.plot is not None and self.plot.same_file(self.timeline):
+                raise paths.SchedulerDirError(f"--plot and --timeline name the same file {self.plot.path}")
             if args.tensorboard:
+                from crossover.scheduler import tboard
+
                 self.tensorboard = outputs.OutputDir(args.tensorboard, "--tensorboard")
+                tboard.check_runs(self.tensorboard, jobs)
+            self.run_dir = outputs.RunDir.new(args.telemetry_dir)  # last: nothing to clean up after a refusal
         except BaseException:
             self.close()
             raise
@@ -247,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: _Outputs | None = None
     if crossover:
         try:  # every folder written to is opened (and checked) now, before any job starts
-            out = _Outputs(args)
+            out = _Outputs(args, [j.name for j in jobs])
         except paths.SchedulerDirError as exc:
             parser.error(str(exc))
         assert out.run_dir is not None

@@ -16,11 +16,12 @@ import os
 import re
 import socket
 import time
+from typing import Iterable
 
 from crossover.scheduler import paths, telemetry
 from crossover.scheduler.outputs import OutputDir
 
-__all__ = ["write_scalars", "PREFIX", "TAGS"]
+__all__ = ["write_scalars", "check_runs", "PREFIX", "TAGS"]
 
 PREFIX = "crossover/"
 TAGS = ("busy", "overlap", "wait_for_turn_s", "compute_s", "comm_wait_s", "step_s")
@@ -32,6 +33,13 @@ def _safe(name: str) -> str:
     job names; the telemetry it reads them from was written by the jobs, so they are not trusted here."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80]
     return safe if safe[:1] not in ("", ".", "-") else "_" + safe[:79]
+
+
+def check_runs(out: OutputDir, jobs: Iterable[str]) -> None:
+    """Refuse, before any job starts, a run folder ``out/<job>`` that :func:`write_scalars` could not use (a
+    symbolic link, a file, a folder not ours); :class:`~crossover.scheduler.paths.SchedulerDirError`."""
+    for job in jobs:
+        out.check_subdir(_safe(job))
 
 
 def write_scalars(out: OutputDir, streams: list[telemetry.Stream]) -> list[str]:
