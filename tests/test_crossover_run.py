@@ -297,6 +297,23 @@ def test_every_output_path_is_checked_before_any_job_starts(stand_in: Path, case
     assert said[case] in r.stderr, r.stderr
 
 
+def test_an_output_that_fails_at_the_end_does_not_cost_the_others(stand_in: Path) -> None:
+    """The --plot file, checked at start, is replaced by a folder while the jobs run: the plot fails with a
+    message, and the timeline and the TensorBoard scalars are still written."""
+    (stand_in / "turns.png").write_text("")
+    swap = stand_in / "horovodrun"
+    swap.write_text(swap.read_text() + textwrap.dedent("""
+        if os.environ["CROSSOVER_JOB"] == "job-1":
+            os.unlink("turns.png")
+            os.mkdir("turns.png")
+    """))
+    r = _run_stand_in(stand_in, "--plot", "turns.png", "--tensorboard", "tb", "--timeline", "t.json")
+    assert r.returncode == 0, r
+    assert "could not write the turns plot" in r.stdout, r.stdout
+    assert (stand_in / "t.json").exists() and f"TensorBoard scalars in {stand_in / 'tb'}" in r.stdout
+    assert {p.parent.name for p in (stand_in / "tb").rglob("events.out.tfevents.*")} == {"job-1", "job-2"}
+
+
 def test_help_and_dry_run(work: Path) -> None:
     r = subprocess.run(RUN + ["--help"], env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0

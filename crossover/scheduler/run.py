@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from crossover import procgroup
 from crossover.scheduler import outputs, paths, telemetry
@@ -184,6 +184,18 @@ class _Outputs:
             self.run_dir.close()
 
 
+def _write_output(what: str, write: Callable[[], str | None], wrote: list[str]) -> None:
+    """Write one report output and note the line that says where (if any); a failure is said, and the other
+    outputs are still written (a plot that cannot be drawn must not cost the TensorBoard scalars)."""
+    try:
+        line = write()
+    except Exception as exc:  # noqa: BLE001 - one output's failure (OSError, a plotting error) must not lose the rest
+        sys.stdout.write(f"crossover-run: could not write the {what}: {exc}\n")
+        return
+    if line:
+        wrote.append(line)
+
+
 def _report(args: argparse.Namespace, out: _Outputs) -> None:
     run_dir = out.run_dir
     assert run_dir is not None
@@ -192,32 +204,53 @@ def _report(args: argparse.Namespace, out: _Outputs) -> None:
         sys.stdout.write(f"crossover-run: no telemetry in {run_dir.path}\n")
         return
     trace = json.dumps(telemetry.chrome_trace(streams)).encode()
-    wrote = []
-    if out.timeline is not None:
-        out.timeline.write(trace)
-        wrote.append(f"timeline (Chrome trace) {out.timeline.path}")
-    elif not run_dir.temporary:
-        wrote.append(f"timeline (Chrome trace) {run_dir.write('timeline.json', trace)}")
     summary = telemetry.summarize(streams)
+    wrote: list[str] = []
+    _write_output("timeline", lambda: _write_timeline(out, trace), wrote)
     if not run_dir.temporary:
-        run_dir.write("summary.json", json.dumps(summary, indent=1).encode())
+        _write_output("summary", lambda: _write_run_file(run_dir, "summary.json", json.dumps(summary, indent=1)),
+                      wrote)
     if not args.no_summary:
         sys.stdout.write("\n" + telemetry.format_summary(summary) + "\n")
-    if out.plot is not None:
-        from crossover.scheduler import plot
-
-        with out.plot.open() as f:
-            plot.plot_timeline(streams, f)
-        wrote.append(f"turns plot {out.plot.path}")
-    if out.tensorboard is not None:
-        from crossover.scheduler import tboard
-
-        tboard.write_scalars(out.tensorboard, streams)
-        wrote.append(f"TensorBoard scalars in {out.tensorboard.path} (tensorboard --logdir {out.tensorboard.path})")
+    plot_file, tb_dir = out.plot, out.tensorboard
+    if plot_file is not None:
+        _write_output("turns plot", lambda: _write_plot(plot_file, streams), wrote)
+    if tb_dir is not None:
+        _write_output("TensorBoard scalars", lambda: _write_tensorboard(tb_dir, streams), wrote)
     if run_dir.temporary:
         wrote.append("telemetry removed at exit (--telemetry-dir DIR keeps it)")
     for line in wrote:
         sys.stdout.write(f"crossover-run: {line}\n")
+
+
+def _write_timeline(out: _Outputs, trace: bytes) -> str | None:
+    """The Chrome trace to ``--timeline``, else into a kept run directory (a temporary one: nowhere)."""
+    if out.timeline is not None:
+        out.timeline.write(trace)
+        return f"timeline (Chrome trace) {out.timeline.path}"
+    assert out.run_dir is not None
+    if out.run_dir.temporary:
+        return None
+    return f"timeline (Chrome trace) {out.run_dir.write('timeline.json', trace)}"
+
+
+def _write_run_file(run_dir: outputs.RunDir, name: str, text: str) -> None:
+    run_dir.write(name, text.encode())
+
+
+def _write_plot(target: outputs.OutputFile, streams: list[telemetry.Stream]) -> str:
+    from crossover.scheduler import plot
+
+    with target.open() as f:
+        plot.plot_timeline(streams, f)
+    return f"turns plot {target.path}"
+
+
+def _write_tensorboard(target: outputs.OutputDir, streams: list[telemetry.Stream]) -> str:
+    from crossover.scheduler import tboard
+
+    tboard.write_scalars(target, streams)
+    return f"TensorBoard scalars in {target.path} (tensorboard --logdir {target.path})"
 
 
 def _check_extras(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
