@@ -207,6 +207,8 @@ STAND_IN = textwrap.dedent("""
     from pathlib import Path
     from crossover.scheduler.telemetry import Recorder
     Path(f"started.{os.environ['CROSSOVER_JOB']}").write_text("")  # which jobs ran
+    if os.environ["CROSSOVER_JOB"] in os.environ.get("STAND_IN_QUIET", "").split(","):
+        sys.exit(0)  # a job that never takes a turn: no telemetry
     r = Recorder(os.environ["CROSSOVER_TELEMETRY_DIR"], os.environ["CROSSOVER_JOB"], "rank0", "localhost", "cpu")
     t = time.time()
     for i in range(3):
@@ -230,10 +232,12 @@ def stand_in(tmp_path: Path) -> Path:
     return d
 
 
-def _run_stand_in(d: Path, *args: str, jobs: tuple[str, ...] = ("job.py", "job.py")
-                  ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(RUN + ["--horovodrun", str(d / "horovodrun"), "-np", "1", "--no-progress", *args, *jobs],
-                          env=_env(), cwd=str(d), capture_output=True, text=True, timeout=120)
+def _run_stand_in(d: Path, *args: str, np: int = 1, quiet: str = "") -> subprocess.CompletedProcess[str]:
+    """crossover-run of two jobs job-1 and job-2 with the stand-in horovodrun; the ``quiet`` ones (comma-separated)
+    write no telemetry."""
+    return subprocess.run(RUN + ["--horovodrun", str(d / "horovodrun"), "-np", str(np), "--no-progress", *args,
+                                 "job.py", "job.py"], env={**_env(), "STAND_IN_QUIET": quiet}, cwd=str(d),
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("names", ["..,b", ".,b", "-x,b", ".hidden,b", "a/b,c", ",b", "a,a"])
@@ -312,6 +316,18 @@ def test_an_output_that_fails_at_the_end_does_not_cost_the_others(stand_in: Path
     assert "could not write the turns plot" in r.stdout, r.stdout
     assert (stand_in / "t.json").exists() and f"TensorBoard scalars in {stand_in / 'tb'}" in r.stdout
     assert {p.parent.name for p in (stand_in / "tb").rglob("events.out.tfevents.*")} == {"job-1", "job-2"}
+
+
+def test_one_rank_per_job_is_said_to_leave_nothing_to_overlap(stand_in: Path) -> None:
+    """`crossover-run job1.py job2.py` on a CPU machine runs one rank per job: no allreduce wait, overlap 0 %,
+    and nothing said so. Now a note at start and under the summary; none with several ranks per job."""
+    r = _run_stand_in(stand_in)
+    assert r.returncode == 0, r
+    assert "crossover-run: note: one rank per job: nothing to overlap" in r.stderr and "-np 2" in r.stderr, r.stderr
+    assert "(one rank per job: no allreduce wait to hide, hence overlap 0 %; try -np 2)" in r.stdout, r.stdout
+    r = _run_stand_in(stand_in, np=2)
+    assert r.returncode == 0, r
+    assert "one rank per job" not in r.stdout + r.stderr
 
 
 def test_help_and_dry_run(work: Path) -> None:

@@ -42,6 +42,10 @@ from crossover.scheduler.progress import Console, JobProgress, TelemetryTail, fo
 __all__ = ["main", "build_parser", "Job", "plan_jobs", "UsageError"]
 
 TTY_REDRAW_S = 0.5  # the terminal's progress line: redrawn twice a second
+SINGLE_RANK_NOTE = ("one rank per job: nothing to overlap, since a single-rank job has no allreduce to wait on (the "
+                    "jobs only take turns computing; overlap stays 0 %); give each job several ranks to hide one "
+                    "job's communication behind another's compute, e.g. -np 2")
+SINGLE_RANK_FOOTNOTE = "(one rank per job: no allreduce wait to hide, hence overlap 0 %; try -np 2)"
 
 
 def _pump(job: Job, stream: IO[bytes], console: Console) -> None:
@@ -212,6 +216,8 @@ def _report(args: argparse.Namespace, out: _Outputs) -> None:
                       wrote)
     if not args.no_summary:
         sys.stdout.write("\n" + telemetry.format_summary(summary) + "\n")
+        if args.np == 1:
+            sys.stdout.write(f"{SINGLE_RANK_FOOTNOTE}\n")
     plot_file, tb_dir = out.plot, out.tensorboard
     if plot_file is not None:
         _write_output("turns plot", lambda: _write_plot(plot_file, streams), wrote)
@@ -295,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(f"crossover-run: {len(jobs)} jobs ({', '.join(j.name for j in jobs)}), {args.np} rank(s) "
                          f"each; telemetry in {out.run_dir.path}\n")
         sys.stdout.flush()
+        if args.np == 1:
+            sys.stderr.write(f"crossover-run: note: {SINGLE_RANK_NOTE}\n")
     try:
         return _run_and_report(args, jobs, out)
     finally:
