@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -318,6 +319,23 @@ def test_an_output_that_fails_at_the_end_does_not_cost_the_others(stand_in: Path
     assert {p.parent.name for p in (stand_in / "tb").rglob("events.out.tfevents.*")} == {"job-1", "job-2"}
 
 
+NEVER = "never took a turn (did it call hvd.init() and train with hvd.DistributedOptimizer?)"
+
+
+def test_a_job_that_never_took_a_turn_is_named_in_the_summary(stand_in: Path) -> None:
+    """A job without telemetry (it never called hvd.init(), or trained without hvd.DistributedOptimizer) used to
+    vanish from the summary; now it has its row, and summary.json lists it."""
+    r = _run_stand_in(stand_in, "--telemetry-dir", str(stand_in / "tel"), quiet="job-2")
+    assert r.returncode == 0, r
+    assert re.search(r"^job-1 +1 +3 ", r.stdout, re.M) and f"job-2          {NEVER}" in r.stdout, r.stdout
+    (run,) = (stand_in / "tel").iterdir()
+    assert json.loads((run / "summary.json").read_text())["never_took_a_turn"] == ["job-2"]
+
+    r = _run_stand_in(stand_in, quiet="job-1,job-2")  # no telemetry at all
+    assert r.returncode == 0, r
+    assert "no job took a turn" in r.stdout and f"job-1 {NEVER}" in r.stdout and f"job-2 {NEVER}" in r.stdout
+
+
 def test_one_rank_per_job_is_said_to_leave_nothing_to_overlap(stand_in: Path) -> None:
     """`crossover-run job1.py job2.py` on a CPU machine runs one rank per job: no allreduce wait, overlap 0 %,
     and nothing said so. Now a note at start and under the summary; none with several ranks per job."""
@@ -534,6 +552,25 @@ def test_the_bare_form_runs_each_script_as_a_job(work: Path, sched: Path) -> Non
         assert len(busy) == steps and [e.step for e in busy] == list(range(steps))
         assert all(0.0 <= e.value <= 1.0 for e in busy + acc.Scalars("crossover/overlap"))
         assert all(e.value >= 0.0 for e in acc.Scalars("crossover/wait_for_turn_s"))
+
+
+def test_a_job_without_horovod_is_named_and_one_rank_per_job_is_said(work: Path, sched: Path) -> None:
+    """Real jobs, one rank each (as `crossover-run a.py b.py` gives on a CPU machine): the start says there is
+    nothing to overlap, and plain.py, which never calls hvd.init(), has its row in the summary instead of
+    vanishing from it."""
+    d = work / "never"
+    d.mkdir()
+    (d / "first.py").write_text(TINY)
+    (d / "plain.py").write_text("print('no Horovod here', flush=True)\n")
+    log = d / "never.log"
+    proc = _start(["--sched-dir", str(sched), "-np", "1", "--no-progress", "first.py", "5", "plain.py"],
+                  _env(sched), log)
+    assert _wait(proc, log) == 0, log.read_text()
+    text = log.read_text()
+    assert "crossover-run: note: one rank per job: nothing to overlap" in text
+    assert "no Horovod here" in text and "first=0, plain=0" in text
+    assert re.search(r"^first +1 +5 ", text, re.M) and f"plain          {NEVER}" in text, text
+    assert "hence overlap 0 %" in text
 
 
 FAKE_HOROVODRUN = textwrap.dedent("""

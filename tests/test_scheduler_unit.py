@@ -307,6 +307,10 @@ def test_summary_and_trace(tmp_path) -> None:
     json.dumps(trace)
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == {"compute", "wait_comm"}
     assert "A" in telemetry.format_summary(s)
+    assert "never_took_a_turn" not in s  # only when the expected jobs are given
+    s = telemetry.summarize(streams, ["A", "idle", "B"])
+    assert s["never_took_a_turn"] == ["idle"] and set(s["jobs"]) == {"A", "B"}
+    assert f"idle           {telemetry.NEVER_TOOK_A_TURN}" in telemetry.format_summary(s).splitlines()
 
 
 def _alternating(tmp_path, steps: int = 8) -> list:

@@ -200,15 +200,18 @@ def _write_output(what: str, write: Callable[[], str | None], wrote: list[str]) 
         wrote.append(line)
 
 
-def _report(args: argparse.Namespace, out: _Outputs) -> None:
+def _report(args: argparse.Namespace, out: _Outputs, names: list[str]) -> None:
+    """The report of the jobs ``names`` from their telemetry: timeline, summary, plot, TensorBoard scalars."""
     run_dir = out.run_dir
     assert run_dir is not None
     streams = telemetry.load(run_dir.path, dir_fd=run_dir.fd)
     if not streams:
-        sys.stdout.write(f"crossover-run: no telemetry in {run_dir.path}\n")
+        sys.stdout.write(f"crossover-run: no telemetry in {run_dir.path}: no job took a turn\n")
+        for name in names:
+            sys.stdout.write(f"crossover-run: {name} {telemetry.NEVER_TOOK_A_TURN}\n")
         return
     trace = json.dumps(telemetry.chrome_trace(streams)).encode()
-    summary = telemetry.summarize(streams)
+    summary = telemetry.summarize(streams, names)
     wrote: list[str] = []
     _write_output("timeline", lambda: _write_timeline(out, trace), wrote)
     if not run_dir.temporary:
@@ -330,7 +333,7 @@ def _run_and_report(args: argparse.Namespace, jobs: list[Job], out: _Outputs | N
         return interrupted
     if out is not None:
         try:
-            _report(args, out)
+            _report(args, out, [j.name for j in jobs])
         except (OSError, ValueError, KeyError, paths.SchedulerDirError) as exc:
             sys.stdout.write(f"crossover-run: could not summarize telemetry: {exc}\n")
     codes = {j.name: j.returncode for j in jobs}

@@ -34,11 +34,13 @@ from typing import Any, Iterable
 from crossover.scheduler import paths
 
 __all__ = ["Recorder", "Stream", "load", "chrome_trace", "summarize", "format_summary", "merge_intervals",
-           "intersect_length", "step_figures", "SPAN_NAMES"]
+           "intersect_length", "step_figures", "SPAN_NAMES", "NEVER_TOOK_A_TURN"]
 
 log = logging.getLogger(__name__)
 
 SPAN_NAMES = ("compute", "wait_device", "wait_comm")
+# a job without telemetry: none of its workers ever held the device (a worker's file is made at its first turn)
+NEVER_TOOK_A_TURN = "never took a turn (did it call hvd.init() and train with hvd.DistributedOptimizer?)"
 Interval = tuple[float, float]
 
 
@@ -232,8 +234,10 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def summarize(streams: list[Stream]) -> dict[str, Any]:
-    """Per-job step figures and per-device busy fraction, overlap and compute collisions."""
+def summarize(streams: list[Stream], expected: Iterable[str] | None = None) -> dict[str, Any]:
+    """Per-job step figures and per-device busy fraction, overlap and compute collisions. With ``expected`` (the
+    names of the jobs that ran), ``never_took_a_turn`` lists those without any telemetry: no worker of theirs ever
+    took the device (see :data:`NEVER_TOOK_A_TURN`)."""
     jobs: dict[str, Any] = {}
     for job in sorted({s.job for s in streams}):
         members = [s for s in streams if s.job == job]
@@ -273,7 +277,10 @@ def summarize(streams: list[Stream]) -> dict[str, Any]:
                         "comm_wait_s": comm_total, "comm_hidden_s": hidden,
                         "overlap": hidden / comm_total if comm_total > 0 else 0.0,
                         "compute_collision_s": collide}
-    return {"jobs": jobs, "devices": devices}
+    summary: dict[str, Any] = {"jobs": jobs, "devices": devices}
+    if expected is not None:
+        summary["never_took_a_turn"] = [j for j in expected if j not in jobs]
+    return summary
 
 
 def _clip(ivs: list[Interval], ends: list[float], lo: float, hi: float) -> list[Interval]:
@@ -329,6 +336,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{job[:14]:<14} {j['workers']:>7}  {j['steps']:>5}  {j['step_s'] * 1e3:>7.1f}  "
                      f"{j['steps_per_s']:>7.2f}  {j['compute_s'] * 1e3:>10.1f}  {j['wait_device_s'] * 1e3:>14.1f}  "
                      f"{j['wait_comm_s'] * 1e3:>12.1f}")
+    for job in summary.get("never_took_a_turn", []):
+        lines.append(f"{job[:14]:<14} {NEVER_TOOK_A_TURN}")
     lines.append("")
     lines.append("device                          jobs  busy   overlap  compute collisions ms")
     for key, d in summary["devices"].items():
