@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -651,6 +652,59 @@ def test_an_unexpected_error_in_one_message_closes_only_that_connection(tmp_path
         for s in socks:
             s.close()
         d.close()
+
+
+def _flood(path: str, stop: threading.Event, first: bytes, then: bytes) -> None:
+    """Until ``stop``: connect to the daemon, send ``first``, then ``then`` over and over (reading and dropping
+    the replies); a new connection whenever the daemon closes one."""
+    while not stop.is_set():
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+            s.sendall(first)
+            while not stop.is_set():
+                if then:
+                    s.sendall(then)
+                s.recv(1 << 20)
+        except OSError:
+            time.sleep(0.001)  # closed by the daemon (or the daemon is gone): connect again
+        finally:
+            s.close()
+
+
+def test_a_stop_signal_that_arrives_while_the_daemon_answers_clients_is_not_lost(sched_dir: str) -> None:
+    """SIGTERM to a daemon busy answering clients: a pipelined stream of pings, hostile hellos (a 400-digit
+    weight, an unknown op), a half hello frame left hanging. The stop, raised by the signal handler inside a
+    client's message handler, used to be caught by the per-message 'unexpected error' handler: that connection
+    was closed and the daemon ran on until its idle exit (60 s here). Now it exits at once."""
+    proc = start_daemon(sched_dir, "--idle-exit", "60")
+    path = paths.socket_path(sched_dir)
+    hello = encode({"op": "hello", "v": 1, "job": "busy", "member": "m", "weight": 1.0, "pid": os.getpid()})
+    pings = encode({"op": "ping", "id": 1}) * 2000
+    half_hello = _raw_frame(_hello_body("1.0"))[:20]  # then nothing: the connection is left mid-message
+    stop = threading.Event()
+    floods = [threading.Thread(target=_flood, args=(path, stop, first, then), daemon=True)
+              for first, then in ((hello, pings), (hello, pings), (_raw_frame(_hello_body("1" + "0" * 399)), b""),
+                                  (_raw_frame(b'{"op":"nope"}'), b""), (half_hello, b""))]
+    try:
+        for t in floods:
+            t.start()
+        time.sleep(1.0)  # the daemon is busy with their messages
+        assert proc.poll() is None, log_lines(sched_dir)[-10:]
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the daemon ran on after SIGTERM: {log_lines(sched_dir)[-5:]}") from None
+    finally:
+        stop.set()
+        for t in floods:
+            t.join(10)
+    assert code == 0 and time.monotonic() - t0 < 2.0, (code, log_lines(sched_dir)[-5:])
+    assert any("signal received: exiting" in x for x in log_lines(sched_dir))
+    assert not any("internal error" in x or "unexpected error" in x for x in log_lines(sched_dir))
 
 
 def test_clients_stalled_mid_message_neither_lock_workers_out_nor_stay(sched_dir: str) -> None:
