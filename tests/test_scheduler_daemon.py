@@ -416,3 +416,34 @@ def test_a_stop_that_arrives_while_a_message_is_handled_is_not_lost(sched_dir: s
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_second_stop_signal_while_the_daemon_stops_is_not_an_error(sched_dir: str) -> None:
+    """SIGTERM twice (a second Ctrl-C, a process group signalled twice): the second one, arriving while the loop
+    unwinds from the first, raised the stop again out of the event loop: a traceback and exit status 1."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from crossover.scheduler import daemon
+        info = daemon.log.info
+        def twice(msg, *args):
+            if msg.startswith("signal received"):
+                os.kill(os.getpid(), signal.SIGTERM)  # the second signal, delivered while the first is handled
+            info(msg, *args)
+        daemon.log.info = twice
+        sys.exit(daemon.main(["--dir", {sched_dir!r}, "--idle-exit", "30"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(paths.socket_path(sched_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=5)
+        assert proc.returncode == 0 and "Traceback" not in err, err
+        assert "stopped" in err  # and it cleaned up
+        assert not os.path.exists(paths.socket_path(sched_dir))
+    finally:
+        if proc.poll() is None:
+            proc.kill()

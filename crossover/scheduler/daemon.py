@@ -196,8 +196,13 @@ class Daemon:
 
     def serve_forever(self) -> None:
         """Run the event loop until SIGTERM/SIGINT or the idle time-out."""
+        stopping = False
+
         def stop(signum: int, frame: object) -> None:
-            raise _Stop
+            nonlocal stopping
+            if not stopping:  # once: a second signal while the loop unwinds must not escape as a traceback
+                stopping = True
+                raise _Stop
 
         old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
