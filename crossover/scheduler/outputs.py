@@ -3,7 +3,10 @@
 Every directory is opened once, at start, with :func:`crossover.scheduler.paths.open_dir` (walked from
 ``/`` without following a symbolic link of another user, each step checked on its descriptor), and every
 file is then created relative to that descriptor with ``O_NOFOLLOW`` (:func:`~crossover.scheduler.paths.open_own_file`):
-a path swapped while the jobs run changes nothing. Files are 0600 and directories 0700.
+a path swapped while the jobs run changes nothing. Files are 0600 and directories 0700. What would be refused
+at the end is refused at start, before any job runs: an existing report file that is a folder, a symbolic
+link or not a plain file of this user with one link, a folder this process cannot write, an existing
+TensorBoard run folder that is not a plain folder of this user.
 """
 
 from __future__ import annotations

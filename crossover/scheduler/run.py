@@ -13,8 +13,10 @@ writes a Chrome-trace timeline of all jobs, prints a summary (per-job step time 
 waiting for the device / waiting for communication, per-device busy fraction and overlap), and on request
 a PNG of the turns (``--plot``) and TensorBoard scalars (``--tensorboard``). With ``--telemetry-dir DIR``
 every run gets its own new sub-directory ``DIR/run-<date>-<time>-<pid>``; without it a temporary folder
-is used and removed at exit. Every folder written to is opened and checked at start
-(:mod:`crossover.scheduler.outputs`). See docs/scheduler.md.
+is used and removed at exit. Every folder written to, and every report file or TensorBoard run folder that
+already exists, is opened and checked before any job starts (:mod:`crossover.scheduler.outputs`); a job that
+never took a turn is named in the summary, and one rank per job is said to leave nothing to overlap. See
+docs/scheduler.md.
 
 Exit status: 0 when every job succeeded; otherwise the first failed job's exit status (1 if it died
 from a signal); 2 for a bad command line; 130 after Ctrl-C (every job is stopped).
