@@ -248,3 +248,44 @@ def test_agreeing_codecs_carry_the_checks_and_decode_as_before():
     reduced = torch.stack([e[0] for e in enc]).sum(0) / world
     outs = [c.decode(reduced.clone(), e[1], v)[0] for c, e, v in zip(codecs, enc, views)]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_scatter_another_tensors_failed_alltoall_waits_for_its_own_check():
+    """The first decode of a step waits for every reduce-scattered tensor's alltoall (to start their allgathers
+    together). Where another tensor's exchange fails there (rank 2 holds it with more elements), the error is kept
+    for that tensor's own decode, where its check names the shape on every rank; the first tensor decodes."""
+    import threading
+
+    world = 3
+    group = SimulatedGroup(world, timeout_s=20)
+    codecs = [SparseCodec("topk") for _ in range(world)]
+    rec = StepRecord(step=1, sent_cf=100.0, probes=())
+    gen = torch.Generator().manual_seed(3)
+    shapes_b = [(100, 200), (100, 200), (100, 300)]
+    enc_a, enc_b = [], []
+    for r, c in enumerate(codecs):
+        view = group.rank_view(r)
+        enc_a.append(c.encode("a", torch.randn(100, 200, generator=gen), rec, 0.0, view, cost_model.SCATTER))
+        enc_b.append(c.encode("b", torch.randn(shapes_b[r], generator=gen), rec, 0.0, view, cost_model.SCATTER))
+    red_a = torch.stack([e[0] for e in enc_a]).sum(0) / world
+    red_b = torch.stack([e[0] for e in enc_b]).sum(0) / world
+    got: list = [None] * world
+
+    def run(r: int) -> None:
+        view, out = group.rank_view(r), []
+        for red, e in ((red_a, enc_a[r]), (red_b, enc_b[r])):
+            try:
+                codecs[r].decode(red.clone(), e[1], view)
+                out.append(None)
+            except Exception as exc:
+                out.append(exc)
+        got[r] = out
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r, (a, b) in enumerate(got):
+        assert a is None, (r, a)
+        assert isinstance(b, RanksDisagree) and "disagree on the shape of 'b'" in str(b), (r, b)
