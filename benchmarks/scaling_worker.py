@@ -69,7 +69,7 @@ def _predicted(method: str, comp: Any, params: list[torch.nn.Parameter], world: 
         nstats = SparseStatsLayout(len(rec.probes)).length if rec.measure or rec.probes else 0
         return out + sum(cm.ring_allreduce(4.0 * (n + nstats), world).bytes for n in large)
     if method == "randomk":
-        nstats = SparseStatsLayout(len(rec.probes), seed_check=True).length
+        nstats = SparseStatsLayout(len(rec.probes)).length
         return out + sum(cm.transport_cost(cm.ALLREDUCE, n, k_for(n, rec.sent_cf), world, nstats).bytes
                          for n in large)
     return out + rec.transport_bytes[rec.transport or cm.ALLGATHER]

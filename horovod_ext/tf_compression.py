@@ -49,7 +49,7 @@ __all__ = ["AdaptiveCompression", "FP16Compression", "GravacCompression", "Stati
 
 log = logging.getLogger(__name__)
 COMPRESSORS = ("topk", "randomk")  # the TF kernels; dgc/redsync exist for horovod.torch only
-_LAYOUT = SparseStatsLayout(2)  # TF always measures the floor and the candidate
+_LAYOUT = SparseStatsLayout(2, checks=False)  # TF always measures the floor and the candidate; no agreement checks
 _ACC = _LAYOUT.length + 2  # tensors, step time, the layout's sums from ||g||^2 on, bytes sent, bytes dense
 _MODE_DENSE, _MODE_ALLGATHER, _MODE_ALLREDUCE = 0, 1, 2
 
@@ -156,7 +156,7 @@ class _SparseCompression(TFHookBase):
         self.compressor = compressor
         self.shared_indices = compressor == "randomk"
         self.driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=hvd.rank,
-                                       tensorboard=tensorboard)
+                                       tensorboard=tensorboard, checks=False)
         self.log_csv = log_csv
         self._passthrough_all = passthrough  # compression off: Horovod's dense path, untouched
 

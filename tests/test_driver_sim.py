@@ -18,7 +18,7 @@ from crossover.adaptive.static import StaticPolicy
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
-from crossover.compression.wire import SparseStatsLayout, normalize_reduced, shared_seed
+from crossover.compression.wire import CHECK_LEN, SparseStatsLayout, normalize_reduced, shared_seed
 from crossover.driver import GradientKeys, QuantStepDriver, SparseStepDriver, dqsgd_settings
 from crossover.driver.session import SparseSession
 
@@ -205,7 +205,9 @@ def test_driver_state_round_trip_continues_the_same_schedule():
 def test_stats_layout_and_normalization():
     lay = SparseStatsLayout(2)
     v = lay.local(step_time=0.5, grad_sq=4.0, acc_sq=9.0, probe_sq=[1.0, 0.25], momentum=0.9)
-    assert len(v) == lay.length == 11
+    assert len(v) == lay.length == 11 + CHECK_LEN  # the agreement checks end it (pieces of 1 when not given)
+    assert v[lay.check_start:] == [1.0] * CHECK_LEN
+    assert SparseStatsLayout(2, checks=False).length == 11
     assert v[lay.GRAD_NORM] == 2.0 and v[lay.ACC_NORM] == 3.0 and v[lay.probe_norm(1)] == 0.5
     # Average over 4 ranks of identical vectors: sums come back x4, the step time stays a mean
     avg = normalize_reduced(v, 4)

@@ -372,9 +372,11 @@ def test_one_object_shared_by_two_optimizers_is_refused(misuse_results):
 
 
 def test_mismatched_shapes_under_one_name_raise(misuse_results):
-    """Item 4: like stock Horovod's 'Mismatched ALLREDUCE tensor shapes', on every rank."""
-    for r in misuse_results:
-        assert "Mismatched ALLREDUCE tensor shapes" in r["shapes"]
+    """Item 4: as stock Horovod's 'Mismatched ALLREDUCE tensor shapes' (a RuntimeError), on every rank: the
+    agreement checks in the statistics name the parameter and each rank's own shape (issue 45)."""
+    for rank, r in enumerate(misuse_results):
+        assert "the ranks disagree on the shape of 'w'" in r["shapes"] and f"this rank ({rank})" in r["shapes"]
+        assert ("shape (250, 200)" if rank == 0 else "shape (200, 250)") in r["shapes"]
 
 
 def test_csv_per_rank_never_mixed_stable_header_and_step_count(misuse_results):

@@ -109,6 +109,11 @@ class GroupedCollectives:
         self._buffers: dict[str, torch.Tensor] = {}  # group name -> reusable send buffer
         self._flushed = False  # flush() came: the step's decodes run, allgathers go at once
 
+    @property
+    def grouped(self) -> bool:
+        """Whether allgathers travel in groups (a setting every rank must share: the codecs check it)."""
+        return self.enabled
+
     # ------------------------------------------------------------------ Collectives
     def size(self) -> int:
         return self.inner.size()

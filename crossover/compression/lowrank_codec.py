@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from . import cost_model, kernels
+from .agreement import Agreement
 from .checks import check_seed
 from .memory import ErrorFeedback
-from .wire import SparseStatsLayout, shared_seed
+from .wire import CHECK_LEN, SparseStatsLayout, shared_seed
 
 __all__ = ["LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
 
@@ -79,6 +80,7 @@ class LowRankCtx:
     local_finite: bool = True
     stats_apart: torch.Tensor | None = None  # unused here (the sparse codec's dense shortcut)
     stats_handle: Any = None
+    agreement: Agreement | None = None  # what the ranks must do alike with the tensor, checked in decode
 
 
 class LowRankCodec:
@@ -87,7 +89,7 @@ class LowRankCodec:
     def __init__(self, *, error_feedback: bool = True, seed: int = 0) -> None:
         self.memory = ErrorFeedback(error_feedback)
         self.seed = check_seed(seed)
-        self.seed_check = False  # nothing is drawn per step from the seed but Q's first draw, checked by shape
+        self.checks = True  # the statistics end with the agreement checks (agreement.py; Q's first draw: the seed)
         self._q: dict[str, torch.Tensor] = {}  # key -> the last step's Q (cols x r), identical on every rank
         self._pending: list[LowRankCtx] = []  # this step's tensors whose Q allreduce has not begun
         self._outputs: dict[str, torch.Tensor] = {}
@@ -115,7 +117,7 @@ class LowRankCodec:
         r, r_max = ranks.get(rec.sent_cf, 0), max(ranks.values(), default=0)
         grad_sq = kernels.sumsq(grad) if residual is not None else None
         acc_sq = kernels.sumsq(acc)
-        layout = SparseStatsLayout(len(rec.probes), False)
+        layout = SparseStatsLayout(len(rec.probes))
         ctx = LowRankCtx(kind=cost_model.DENSE, key=key, shape=tensor.shape, numel=numel, nstats=layout.length,
                          step=rec.step, grad=grad, residual=residual,
                          local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
@@ -131,8 +133,13 @@ class LowRankCodec:
                 ctx.kind, ctx.acc, ctx.q, ctx.q_rest = cost_model.POWERSGD, m, q[:, :r], q[:, r:]
                 ctx.p_handle = comm.allreduce_async(p[:, :r].contiguous(), f"crossover.lowrank.p.{key}")
                 self._pending = [c for c in self._pending if c.step == rec.step] + [ctx]
+        ctx.agreement = Agreement(shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+                                  compressor="powersgd", sent_cf=float(rec.sent_cf),
+                                  probes=tuple(float(p) for p in rec.probes), transport=ctx.kind,
+                                  seed=self.seed if ctx.kind == cost_model.POWERSGD else None)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
-                                          acc_sq=acc_sq, probe_sq=[kept[cf] for cf in rec.probes], momentum=momentum),
+                                          acc_sq=acc_sq, probe_sq=[kept[cf] for cf in rec.probes],
+                                          checks=ctx.agreement.values(comm.size()), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
         if ctx.kind == cost_model.DENSE:
             payload = torch.cat([acc, stats])
@@ -170,8 +177,11 @@ class LowRankCodec:
         leave no trace: the residual goes back to what it was (zeros where this rank's own gradient was not
         finite, or its payload was dense) and Q keeps its warm start."""
         stats = reduced[-ctx.nstats:] if stats is None else stats
-        one = float(stats[0])
-        finite = bool(torch.isfinite(stats).all())
+        host = stats.tolist()  # the one read of the reduced statistics
+        one = host[0]
+        if ctx.agreement is not None:  # before any wait: a disagreement raises on every rank instead of hanging
+            ctx.agreement.check(host[len(host) - CHECK_LEN:], one, comm.size(), ctx.key, comm.rank())
+        finite = all(math.isfinite(v) for v in host)
         if ctx.kind == cost_model.DENSE:
             out = reduced[:ctx.numel]
         else:

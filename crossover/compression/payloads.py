@@ -54,7 +54,9 @@ class SparseCtx:
     gather: Any = None  # SCATTER: the allgather of the owners' kept sums, once started
     step: int = 0  # AGREED, SCATTER: the step; AGREED: the fingerprint of the set this rank used
     bitmap: bool = False  # ALLGATHER: every rank sent a bitmap of the tensor and k values (else k pairs)
-    hashes: tuple[int, int] = (0, 0)
+    hashes: tuple[int, ...] = ()
+    agreement: Any = None  # what the ranks must do alike with the tensor (agreement.Agreement), checked in decode
+    error: BaseException | None = None  # SCATTER: met while another tensor's decode waited for this one's alltoall
 
 
 def send_dense(values: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
@@ -193,8 +195,10 @@ def split_stats(reduced: torch.Tensor, nstats: int) -> torch.Tensor:
     return reduced[reduced.numel() - nstats:]
 
 
-def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch.Tensor | None) -> torch.Tensor:
-    """The averaged gradient (flat) from one tensor's reduced payload; `out`: a reusable buffer."""
+def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch.Tensor | None,
+            weight: float | None = None) -> torch.Tensor:
+    """The averaged gradient (flat) from one tensor's reduced payload; `out`: a reusable buffer; `weight`: the factor
+    the host applied to sums (the reduced statistics' first entry / world; read from them when None)."""
     if ctx.kind == DENSE:
         return reduced[:ctx.numel]
     assert out is not None
@@ -202,7 +206,8 @@ def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch
         kernels.zero_scatter(out, ctx.idx, reduced[:ctx.k].contiguous())
         return out
     world = comm.size()
-    weight = float(split_stats(reduced, ctx.nstats)[0]) / world
+    if weight is None:
+        weight = float(split_stats(reduced, ctx.nstats)[0]) / world
     if ctx.bitmap:
         _receive_bitmaps(comm.wait(ctx.handle), ctx, world, out, weight)
         return out

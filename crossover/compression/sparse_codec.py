@@ -23,11 +23,12 @@ from typing import Protocol
 import torch
 
 from . import agreed, cost_model, kernels, payloads, scatter
+from .agreement import Agreement
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
 from .selectors import Selection, Selector, apply_mask, k_for, make_selector, take_at
-from .wire import SparseStatsLayout, seed_fingerprint, shared_seed
+from .wire import CHECK_LEN, SparseStatsLayout, shared_seed
 
 __all__ = ["SparseCodec", "StepPlan"]
 
@@ -46,8 +47,9 @@ class SparseCodec:
     def __init__(self, compressor: str, *, error_feedback: bool = True, seed: int = 0,
                  grad_norms: bool = False, fixed_gather: bool = False, dense_stats_apart: bool = False) -> None:
         self.selector: Selector = make_selector(compressor)
-        # shared indices need one seed on every rank: the statistics carry its fingerprint (SparseStatsLayout)
-        self.seed_check = self.selector.shared_indices
+        # the statistics end with the agreement checks (wire.SparseStatsLayout, agreement.py): what every rank must
+        # do alike with each tensor, judged in decode before any collective of the codec's own is waited on
+        self.checks = True
         # Every rank's allgather carries exactly k pairs (hosts whose allgather needs equal sizes, e.g.
         # torch.distributed on Gloo): an overshoot of the selector returns to the residual, a shortfall
         # is padded with pairs that add nothing.
@@ -122,13 +124,16 @@ class SparseCodec:
                 masks[cf] = self.selector.subselect(sel, numel, cf, seed ^ int(cf))
                 sq[cf] = kernels.sumsq(sel.val[masks[cf]].contiguous())
         acc_sq = sel.sumsq_acc if sel is not None else kernels.sumsq(acc)
-        layout = SparseStatsLayout(len(rec.probes), self.seed_check)
+        layout = SparseStatsLayout(len(rec.probes))
+        bitmap = bool(kind == cost_model.ALLGATHER and self.fixed_gather and self.gather_bitmap
+                      and cost_model.gather_bitmap(k, numel))
+        agree = self._agreement(tensor, rec, kind, comm, bitmap)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
-                                          seed_fp=seed_fingerprint(self.seed, comm.size()), momentum=momentum),
+                                          checks=agree.values(comm.size()), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
         ctx = payloads.SparseCtx(kind=payloads.DENSE, key=key, shape=tensor.shape, numel=numel,
-                                  nstats=layout.length, grad=grad, residual=residual,
+                                  nstats=layout.length, grad=grad, residual=residual, agreement=agree,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
             sel = apply_mask(sel, masks[send_cf], residual)
@@ -162,7 +167,7 @@ class SparseCodec:
         if self.fixed_gather:
             if rows > k:  # keep the k largest; the rest returns to the residual
                 sel = apply_mask(sel, _largest(sel.val, k), residual)
-            ctx.bitmap = self.gather_bitmap and cost_model.gather_bitmap(k, numel)
+            ctx.bitmap = bitmap
             rows = payloads.gather_rows(k, numel, ctx.bitmap)
         packed = self._packed_buf(key, rows + payloads.HEADER_ROWS, grad.device)
         scratch = self.selector.buffers.get(key, "gather.bitmap", numel, torch.float32, grad.device) \
@@ -186,8 +191,13 @@ class SparseCodec:
         """
         if stats is None:
             stats = payloads.split_stats(reduced, ctx.nstats)
+        host = stats.tolist()  # the one read of the reduced statistics (a device sync on a GPU)
+        world = comm.size()
+        if ctx.agreement is not None:  # before any wait: a disagreement raises on every rank instead of hanging
+            ctx.agreement.check(host[len(host) - CHECK_LEN:], host[0], world, ctx.key, comm.rank())
+        finite = all(math.isfinite(v) for v in host)
         if ctx.kind == payloads.AGREED:
-            self._receive_agreed(reduced, ctx, comm, stats)
+            self._receive_agreed(reduced, ctx, comm, host[0], finite)
         out = None
         if ctx.kind != payloads.DENSE:
             out = self._outputs.get(ctx.key)
@@ -195,10 +205,10 @@ class SparseCodec:
                 out = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
                 self._outputs[ctx.key] = out
         if ctx.kind == payloads.SCATTER:
-            flat = self._receive_scatter(ctx, comm, stats, out)
+            flat = self._receive_scatter(ctx, comm, finite, host[0] / world, out)
         else:
-            flat = payloads.receive(reduced, ctx, comm, out)
-        if not bool(torch.isfinite(stats).all()):
+            flat = payloads.receive(reduced, ctx, comm, out, host[0] / world)
+        if not finite:
             self._undo(ctx)
             flat.fill_(float("nan"))
         ctx.grad = ctx.residual = ctx.val = ctx.stats_apart = ctx.stats_handle = None  # drop the step's tensors
@@ -223,27 +233,28 @@ class SparseCodec:
         sq = {levels[0]: sel_sq}
         for cf in levels[1:]:  # higher probed CFs: the largest of the agreed values (norms only, never sent)
             sq[cf] = kernels.sumsq(val[self.selector.subselect(sel, numel, cf, seed ^ int(cf))].contiguous())
-        layout = SparseStatsLayout(len(rec.probes), self.seed_check)
+        layout = SparseStatsLayout(len(rec.probes))
+        agree = self._agreement(tensor, rec, cost_model.AGREED, comm, False)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
-                                          seed_fp=seed_fingerprint(self.seed, world), momentum=momentum),
+                                          checks=agree.values(world), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
         check = torch.tensor(agreed.check_values(hashes), dtype=torch.float32, device=grad.device)
         proposals = self._propose(key, grad, residual, sel, world)
         payload, handle = payloads.send_agreed(val, check, stats, comm, f"crossover.agreed.{key}", proposals)
         ctx = payloads.SparseCtx(kind=payloads.AGREED, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, handle=handle, idx=idx, k=k, val=val, grad=grad,
-                                  residual=residual, step=rec.step, hashes=hashes,
+                                  residual=residual, step=rec.step, hashes=hashes, agreement=agree,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         return payload, ctx, payload.numel() * 4 + proposals.numel() * 4
 
-    def _receive_agreed(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Collectives,
-                        stats: torch.Tensor) -> None:
-        """Check that every rank sent values at the same set, and agree on the next step's set."""
+    def _receive_agreed(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Collectives, one: float,
+                        finite: bool) -> None:
+        """Check that every rank sent values at the same set, and agree on the next step's set (`one`: the reduced
+        statistics' first entry, the factor the host applied to sums times world; `finite`: all of them are)."""
         gathered = comm.wait(ctx.handle) if ctx.handle is not None else None  # always: it completes everywhere
         world = comm.size()
-        one = float(stats[0])  # the factor the host applied to sums, times world
-        if not (math.isfinite(one) and one > 0 and bool(torch.isfinite(stats).all())):
+        if not (math.isfinite(one) and one > 0 and finite):
             return  # a non-finite step (decoded to NaN, undone): no set agreed; the next draws from the seed
         check = reduced[ctx.k:ctx.k + cost_model.AGREED_CHECK].tolist()
         summed = [v * world / one for v in check]
@@ -258,21 +269,25 @@ class SparseCodec:
         self._agreed[ctx.key] = agreed.AgreedSet(nxt, ctx.k, ctx.numel, idx,
                                                  agreed.fingerprint(ctx.key, nxt, "agreed", idx))
 
-    def _receive_scatter(self, ctx: payloads.SparseCtx, comm: Collectives, stats: torch.Tensor,
+    def _receive_scatter(self, ctx: payloads.SparseCtx, comm: Collectives, finite: bool, weight: float,
                          out: torch.Tensor) -> torch.Tensor:
         """Scatter every owner's kept sums into `out` and return to the residual what this rank sent that no owner
         kept. The first decode of a step starts the allgathers of every reduce-scattered tensor of the step
         (`_start_gathers`): they travel together instead of one round trip after another. A non-finite step
-        (the reduced statistics, the same on every rank) decodes nothing: `decode` fills NaN."""
+        (`finite`: the reduced statistics, the same on every rank) decodes nothing: `decode` fills NaN. `weight`:
+        the factor the host applied to sums."""
+        if ctx.error is not None:  # met while an earlier decode started this tensor's allgather
+            error, ctx.error = ctx.error, None
+            raise error
         if ctx.gather is None:
             self._start_gathers(comm, ctx)
         gathered = comm.wait(ctx.gather)  # always: every rank started it
-        if not bool(torch.isfinite(stats).all()):
+        if not finite:
             return out
         world, numel = comm.size(), ctx.numel
         keep = cost_model.scatter_keep(ctx.k, numel, world)
         idx, val = scatter.unpack_kept(gathered, world, numel, keep, cost_model.scatter_bitmap(ctx.k, numel, world))
-        kernels.zero_scatter(out, idx, val.contiguous(), float(stats[0]) / world)
+        kernels.zero_scatter(out, idx, val.contiguous(), weight)
         if ctx.residual is not None and ctx.idx is not None and ctx.idx.numel():
             marks = self.selector.buffers.get(ctx.key, "scatter-marks", numel, torch.bool, out.device, zeroed=True)
             gone = scatter.lost(ctx.idx, idx, marks)
@@ -294,10 +309,27 @@ class SparseCodec:
             keep = cost_model.scatter_keep(c.k, numel, world)
             region = self.selector.buffers.get(c.key, "scatter-sums", scatter.stretch(numel, world), torch.float32,
                                                c.grad.device, zeroed=True)
-            pos, val = scatter.unpack_received(comm.wait(c.handle), rank, world, numel, bitmap, c.key)
+            try:
+                pos, val = scatter.unpack_received(comm.wait(c.handle), rank, world, numel, bitmap, c.key)
+            except Exception as exc:  # another tensor's: raised at its own decode, after its agreement check
+                if c is ctx:
+                    raise
+                c.error = exc
+                continue
             pos, sums = scatter.reduce_owned(pos, val, keep, region)
             c.gather = comm.allgather_async(scatter.pack_kept(pos, sums, rank, world, numel, keep, bitmap),
                                             f"crossover.scatter.{c.key}")
+
+    def _agreement(self, tensor: torch.Tensor, rec: StepPlan, kind: str, comm: Collectives,
+                   bitmap: bool) -> Agreement:
+        """What the other ranks must do alike with this tensor in this step (agreement.py). The seed counts where
+        every rank draws from it what they must share: shared indices, and the agreed set's first draw."""
+        shared_seed_needed = self.selector.shared_indices or kind == cost_model.AGREED
+        return Agreement(shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+                         compressor=self.compressor, sent_cf=float(rec.sent_cf),
+                         probes=tuple(float(p) for p in rec.probes), transport=kind,
+                         seed=self.seed if shared_seed_needed else None,
+                         grouped=bool(getattr(comm, "grouped", False)), bitmap=bool(bitmap))
 
     def _propose(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, sel: Selection,
                  world: int) -> torch.Tensor:

@@ -11,8 +11,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_BITS", "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_MAX", "SparseStatsLayout", "clamp_stat",
-           "k_for", "levels_for_bits", "normalize_reduced", "seed_fingerprint", "seeds_disagree", "shared_seed"]
+__all__ = ["CHECK_LEN", "CHECK_SPAN", "CHECK_SLOTS", "MAX_BITS", "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN",
+           "STAT_MAX", "SparseStatsLayout", "check_span", "clamp_stat", "k_for", "levels_for_bits", "normalize_reduced",
+           "pieces_disagree", "seed_fingerprint", "seeds_disagree", "shared_seed"]
 
 #: Statistics travel in float32 and are summed over ranks: each rank's finite values are clamped to STAT_MAX
 #: (2**100) so that a sum over up to 2**27 ranks cannot overflow float32 (max ~2**128). They are computed in
@@ -21,10 +22,27 @@ __all__ = ["MAX_BITS", "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_M
 STAT_MAX = 2.0 ** 100
 #: The statistics of a quantized payload: [1, ||x||^2].
 QUANT_STATS_LEN = 2
-#: Seed fingerprints f in [1, SEED_CHECK_SPAN // world] (`seed_fingerprint`): small integers, so that the reduced
-#: sums of f and f^2 (at most 500^2 / world) come back from a float32 reduction (pre-scaled by 1/world, summed,
-#: rescaled) within 0.1 of the exact value; `seeds_disagree` tests against 0.25, and a rank whose f differs by
-#: 1 or more makes the tested quantity >= 0.5. Above 250 ranks the span is 1 and the check is off.
+#: The agreement checks that end a torch codec's statistics vector (``SparseStatsLayout(checks=True)``), in the order
+#: they are judged: per group of facts that every rank must share for the collectives to match (or for the replicas
+#: to stay equal), that many fingerprint pieces f, each an integer in [1, F] sent with its square. Summed over ranks,
+#: sum(f^2) - sum(f)^2 / world is the pieces' spread: 0 when every rank sent the same f (`pieces_disagree`), so the
+#: reduction every host already runs tells every rank alike whether the group agrees, even when the codec's own
+#: collectives (allgather, alltoall) would never match. Groups: the tensor (shape, dtype, element count), the
+#: compression (compressor, CF sent, CFs probed), the transport decided for the tensor, the format of its allgathers
+#: (grouped or not, bitmap or pairs) and the seed (where something every rank must share is drawn from it). A group
+#: is judged after those it depends on, so that the first that disagrees is the cause.
+CHECK_SLOTS: tuple[tuple[str, int], ...] = (("tensor", 2), ("compression", 2), ("transport", 1), ("format", 1),
+                                            ("seed", 1))
+#: Floats the checks add to the statistics vector: each piece and its square.
+CHECK_LEN = 2 * sum(n for _, n in CHECK_SLOTS)
+#: Fingerprint pieces are integers in [1, F], F = CHECK_SPAN // world (`check_span`), so that world x F <= 512: the
+#: spread of the reduced sums comes back from a float32 reduction within 4 world^2 F^2 2^-24 <= 0.07 of the exact
+#: value, even in the worst case, where each rank's vector is scaled by 1/world before W sequential float32 additions
+#: (the DDP hook; Horovod sums first, exactly, then scales). `pieces_disagree` tests the spread against 0.25, and a
+#: rank whose f differs by 1 or more makes it >= 0.5. From 512 ranks on F is 1 and the checks are off.
+CHECK_SPAN = 512
+#: Seed fingerprints f in [1, SEED_CHECK_SPAN // world] (`seed_fingerprint`): within the same bound. Above 250 ranks
+#: the span is 1 and the seed check is off.
 SEED_CHECK_SPAN = 500
 #: Bits of a quantization code: one sign bit + at least one magnitude bit ...
 MIN_BITS = 2
@@ -54,10 +72,20 @@ def seed_fingerprint(seed: int, world: int) -> float:
     return float(1 + (rest + shared_seed(block, 0, "seed-check")) % span)
 
 
-def seeds_disagree(sum_f: float, sum_f2: float, world: int) -> bool:
-    """Whether the ranks' fingerprints differ, from their sums over ranks (the same verdict on every rank):
+def check_span(world: int) -> int:
+    """F, the number of values a fingerprint piece takes at this world size: CHECK_SPAN // world (256 on 2 ranks, 64 on
+    8, 8 on 64; 1 from 512 ranks on, where every piece is 1 and the checks are off)."""
+    return max(1, CHECK_SPAN // max(1, world))
+
+
+def pieces_disagree(sum_f: float, sum_f2: float, world: int) -> bool:
+    """Whether the ranks' fingerprint pieces differ, from their sums over ranks (the same verdict on every rank):
     sum(f^2) - sum(f)^2 / world is the sum of squared deviations from the mean, 0 when all are equal."""
     return sum_f2 - sum_f * sum_f / world > 0.25
+
+
+#: The seed's pieces are judged as every other piece.
+seeds_disagree = pieces_disagree
 
 
 def levels_for_bits(bits: int) -> int:
@@ -78,12 +106,13 @@ class SparseStatsLayout:
     the scale the framework applied (``normalize_reduced``). The step time and the optimizer's momentum (the
     factor by which the optimizer carries an update into later steps; 0 when none or unknown) are averaged over
     ranks, so that every rank reads the same values.
-    With ``seed_check`` (shared-index compressors: random-k), two more entries end it: the seed's
-    fingerprint f and f^2 (``seed_fingerprint``), checked per tensor after the reduction (``seeds_disagree``).
+    With ``checks`` (the torch codecs; TensorFlow's accumulated statistics have none), CHECK_LEN more entries end it:
+    the agreement checks (``CHECK_SLOTS``; ``crossover/compression/agreement.py``), which every rank judges in
+    decode before it waits on any collective of the codec's own.
     """
 
     nprobes: int
-    seed_check: bool = False
+    checks: bool = True
     ONE = 0
     STEP_TIME = 1
     GRAD_SQ = 2
@@ -95,11 +124,11 @@ class SparseStatsLayout:
 
     @property
     def length(self) -> int:
-        return self.HEAD + 2 * self.nprobes + (2 if self.seed_check else 0)
+        return self.HEAD + 2 * self.nprobes + (CHECK_LEN if self.checks else 0)
 
     @property
-    def seed_fp(self) -> int:
-        """Index of the seed fingerprint (f^2 follows); only with ``seed_check``."""
+    def check_start(self) -> int:
+        """Index of the first agreement check (CHECK_LEN of them end the vector); only with ``checks``."""
         return self.HEAD + 2 * self.nprobes
 
     def probe_sq(self, i: int) -> int:
@@ -109,8 +138,9 @@ class SparseStatsLayout:
         return self.HEAD + self.nprobes + i
 
     def local(self, *, step_time: float, grad_sq: float, acc_sq: float, probe_sq: Sequence[float],
-              seed_fp: float = 1.0, momentum: float = 0.0) -> list[float]:
-        """One tensor's vector on one rank, from squared norms (the norms are their square roots).
+              checks: Sequence[float] | None = None, momentum: float = 0.0) -> list[float]:
+        """One tensor's vector on one rank, from squared norms (the norms are their square roots) and, with
+        ``checks``, this rank's CHECK_LEN agreement checks (None: pieces of 1, which agree with each other).
 
         Every value is clamped to STAT_MAX (`clamp_stat`) so that it converts to float32 and its sum
         over ranks stays finite; a non-finite input stays non-finite, so the reduced vector is
@@ -118,11 +148,15 @@ class SparseStatsLayout:
         """
         if len(probe_sq) != self.nprobes:
             raise ValueError(f"expected {self.nprobes} probe norms, got {len(probe_sq)}")
-        out = [1.0, step_time, grad_sq, _sqrt(grad_sq), acc_sq, _sqrt(acc_sq), momentum, *probe_sq,
-               *(_sqrt(v) for v in probe_sq)]
-        if self.seed_check:
-            out += [seed_fp, seed_fp * seed_fp]
-        return [clamp_stat(v) for v in out]
+        out = [clamp_stat(v) for v in (1.0, step_time, grad_sq, _sqrt(grad_sq), acc_sq, _sqrt(acc_sq), momentum,
+                                       *probe_sq, *(_sqrt(v) for v in probe_sq))]
+        if self.checks:
+            if checks is None:
+                checks = [1.0] * CHECK_LEN
+            if len(checks) != CHECK_LEN:
+                raise ValueError(f"expected {CHECK_LEN} agreement checks, got {len(checks)}")
+            out.extend(checks)
+        return out
 
 
 def _sqrt(x: float) -> float:

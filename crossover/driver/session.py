@@ -349,6 +349,6 @@ def cf_session(compressor: str, policy: Any, *, error_feedback: bool, seed: int,
         cls = SparseSession
         transport = None if codec.selector.shared_indices else transport
     driver = SparseStepDriver(policy, compressor=compressor, seed=seed, log_csv=log_csv, rank=rank,
-                              seed_check=codec.seed_check, tensorboard=tensorboard, transport=transport,
+                              checks=codec.checks, tensorboard=tensorboard, transport=transport,
                               alltoall=alltoall)
     return cls(codec, driver, momentum=momentum, unknown_momentum=unknown_momentum, clock=clock)

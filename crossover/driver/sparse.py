@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from crossover.adaptive.gravac import Plan, StepStats
 from crossover.adaptive.gravac import tunables as T
 from crossover.compression.checks import check_seed
-from crossover.compression.wire import SparseStatsLayout, normalize_reduced, seeds_disagree
+from crossover.compression.wire import SparseStatsLayout, normalize_reduced
 from crossover.driver.flat import flat_stats
 from crossover.driver.records import StepRecord, check_int, check_real
 from crossover.driver.steplog import StepLog
@@ -57,14 +56,14 @@ class SparseStepDriver:
     """Step counter, plans, one-step-late observation, byte counters and state of a CF policy."""
 
     def __init__(self, policy: CfPolicy, *, compressor: str, seed: int, log_csv: str | None = None,
-                 rank: Callable[[], int] = lambda: 0, seed_check: bool = False, tensorboard: Any = None,
+                 rank: Callable[[], int] = lambda: 0, checks: bool = True, tensorboard: Any = None,
                  transport: str | None = None, alltoall: bool = False) -> None:
         check_transport(transport, none_ok=True)
         self.policy = policy
         expect = getattr(policy, "expect_momentum", None)
         if callable(expect):  # every host puts the optimizer's momentum in the statistics (SparseStatsLayout)
             expect()
-        self.seed_check = seed_check  # the payloads carry the seed's fingerprint (the codec's `seed_check`)
+        self.checks = checks  # the statistics end with the codec's agreement checks (the codec's `checks`)
         self.transport = transport
         config = getattr(policy, "config", None)
         omega = config.get("omega", T.OMEGA) if isinstance(config, Mapping) else T.OMEGA
@@ -143,7 +142,7 @@ class SparseStepDriver:
     @property
     def layout(self) -> SparseStatsLayout:
         """The statistics layout of the step in flight."""
-        return SparseStatsLayout(len(self.current.probes) if self.current else 0, self.seed_check)
+        return SparseStatsLayout(len(self.current.probes) if self.current else 0, self.checks)
 
     def add_reduced(self, reduced: Sequence[float], world: int) -> None:
         """One tensor's reduced statistics vector (as the reduction left it) for the step in flight."""
@@ -152,21 +151,10 @@ class SparseStepDriver:
             return
         sums = normalize_reduced(reduced, world)
         if sums is not None:
-            layout = SparseStatsLayout(len(rec.probes), self.seed_check)
-            self._check_seeds(sums, layout, world)
+            layout = SparseStatsLayout(len(rec.probes), self.checks)
             flags = (rec.nonfinite, rec.saturated)
             rec.add(sums, layout)
             self._count_flags(rec, flags)
-
-    def _check_seeds(self, sums: Sequence[float], layout: SparseStatsLayout, world: int) -> None:
-        """Raise ValueError, on every rank alike, when the ranks' seeds differ (their fingerprints' spread)."""
-        if not layout.seed_check:
-            return
-        f, f2 = sums[layout.seed_fp], sums[layout.seed_fp + 1]
-        if math.isfinite(f) and math.isfinite(f2) and seeds_disagree(f, f2, world):
-            raise ValueError(f"crossover: the ranks were given different seeds (seed={self.seed} here): "
-                             f"{self.compressor} draws the indices every rank sends from the seed, so the "
-                             f"replicas would silently diverge. Pass the same seed on every rank (not hvd.rank())")
 
     def mark_nonfinite(self) -> None:
         """The step in flight is non-finite though its statistics were not: a tensor that went through
