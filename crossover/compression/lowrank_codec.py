@@ -78,8 +78,6 @@ class LowRankCtx:
     q_handle: Any = None
     p: torch.Tensor | None = None  # the orthonormalised averaged P (rows x r)
     local_finite: bool = True
-    stats_apart: torch.Tensor | None = None  # unused here (the sparse codec's dense shortcut)
-    stats_handle: Any = None
     agreement: Agreement | None = None  # what the ranks must do alike with the tensor, checked in decode
 
 
