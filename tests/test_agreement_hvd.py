@@ -63,7 +63,7 @@ def two_rank_job() -> dict:
     """Item 2 and the seed on 2 ranks: rank 1 differs."""
     import horovod.torch as hvd
 
-    from crossover import AdaptiveCompression, StaticCompression
+    from crossover import AdaptiveCompression, QSGDCompression, StaticCompression
 
     r = hvd.rank()
     ungrouped = AdaptiveCompression()
@@ -72,6 +72,7 @@ def two_rank_job() -> dict:
         "grouping": _case("g", ungrouped, [SHAPE, SHAPE]),
         "seed_agreed": _case("e", StaticCompression("topk", cf=10, transport="agreed", seed=r), [SHAPE]),
         "cf": _case("c", StaticCompression("topk", cf=20 if r == 1 else 10), [SHAPE]),
+        "bits": _case("q", QSGDCompression(bits=4 if r == 1 else 8, transport="allgather"), [SHAPE]),
         "agree": _case("a", AdaptiveCompression(), [SHAPE, SHAPE]),
     }
 
@@ -108,5 +109,7 @@ def test_two_ranks_that_disagree_are_refused_fast():
     assert "seed=0" in msgs[0] and "seed=1" in msgs[1] and "same seed on every rank" in msgs[1]
     msgs = _refused(res, "cf", "compressor or compression factor of 'c.p0'")
     assert "at CF 10" in msgs[0] and "at CF 20" in msgs[1]
+    msgs = _refused(res, "bits", "compressor or compression factor of 'q.p0'")  # gathered garbage before
+    assert "8-bit quantization" in msgs[0] and "4-bit quantization" in msgs[1]
     assert all(r["agree"]["error"] is None for r in res)
     assert len({r["agree"]["checksum"] for r in res}) == 1

@@ -14,6 +14,7 @@ from crossover.compression.agreement import Agreement, RanksDisagree
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.grouped import GroupedCollectives
 from crossover.compression.lowrank_codec import LowRankCodec
+from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.compression.wire import CHECK_LEN, CHECK_SLOTS, SparseStatsLayout, check_span
 from crossover.driver import StepRecord
@@ -232,6 +233,38 @@ def test_lowrank_ranks_with_different_seeds_raise_before_waiting():
     said = _decode_all(codecs, enc, views)
     for r, msg in enumerate(said):
         assert f"seed={r}" in msg and "first Q" in msg
+
+
+@pytest.mark.parametrize("what", ["bits", "transposed"])
+def test_quantized_allgather_ranks_that_disagree_raise_before_waiting(what):
+    """Packed codes travel by allgather, which takes segments of any length: ranks at other bits or with a transposed
+    parameter gathered and decoded garbage silently. Now the statistics carry the checks, judged before the wait."""
+    world, shape = 2, (100, 200)
+    group = SimulatedGroup(world)
+    views = [group.rank_view(r) for r in range(world)]
+    codecs = [QuantCodec() for _ in range(world)]
+    bits = [8, 4 if what == "bits" else 8]
+    shapes = [shape, shape[::-1] if what == "transposed" else shape]
+    gen = torch.Generator().manual_seed(3)
+    enc = [c.encode("w", torch.randn(s, generator=gen), b, 1, v, cost_model.ALLGATHER)
+           for c, s, b, v in zip(codecs, shapes, bits, views)]
+    said = _decode_all(codecs, enc, views)
+    if what == "bits":
+        assert "8-bit quantization" in said[0] and "4-bit quantization" in said[1]
+    else:
+        assert all("disagree on the shape" in m for m in said) and "shape (200, 100)" in said[1]
+
+
+def test_agreeing_quantized_ranks_decode_as_before():
+    world, shape = 2, (100, 200)
+    group = SimulatedGroup(world)
+    views = [group.rank_view(r) for r in range(world)]
+    codecs = [QuantCodec() for _ in range(world)]
+    enc = [c.encode("w", g, 4, 1, v, cost_model.ALLGATHER) for c, g, v in zip(codecs, _grads(world, shape), views)]
+    reduced = torch.stack([e[0] for e in enc]).sum(0) / world
+    outs = [c.decode(reduced.clone(), e[1], v) for c, e, v in zip(codecs, enc, views)]
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
+    assert outs[0][1][0] == pytest.approx(1.0)
 
 
 def test_agreeing_codecs_carry_the_checks_and_decode_as_before():

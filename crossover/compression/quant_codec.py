@@ -7,6 +7,12 @@ statistics `[1, ||x||^2]` (x = gradient + residual), which feed DQ-SGD's next ch
 Transports, decided by the caller per tensor (crossover/driver/transport.py, `quant_route`): packed codes by
 allgather (torch allreduce has no 8-bit type; each rank's codes carry their own scale, so they cannot be
 summed), or dequantized fp16 values by allreduce (summable; wins for large worlds).
+
+Agreement (agreement.py): on the allgather the float32 statistics end with the agreement checks, judged in decode
+before the wait, since ranks that disagree on the shape or the bits would gather segments of other lengths and
+decode garbage silently. The allreduce path issues no collective of its own: a rank at other bits still sums
+correct values, and another shape or transport changes the payload's length or dtype, which Horovod and
+torch.distributed refuse (their own "Mismatched" error on every rank).
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from typing import Any
 import torch
 
 from . import cost_model, kernels, quantize
+from .agreement import Agreement
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
-from .wire import QUANT_STATS_LEN, clamp_stat, levels_for_bits, shared_seed
+from .wire import CHECK_LEN, QUANT_STATS_LEN, clamp_stat, levels_for_bits, shared_seed
 
 __all__ = ["QuantCodec", "QuantCtx"]
 
@@ -38,6 +45,7 @@ class QuantCtx:
     handle: Any = None
     seg: int = 0
     residual: torch.Tensor | None = None  # reset if the step turns out non-finite
+    agreement: Agreement | None = None  # allgather: what the ranks must do alike, checked in decode before the wait
 
 
 class QuantCodec:
@@ -82,8 +90,13 @@ class QuantCodec:
         packed[:4] = torch.tensor([scale], dtype=torch.float32, device=x.device).view(torch.uint8)
         quantize.quantize_pack(x, scale, s, bits, seed, packed[4:], residual_out=residual)
         ctx.seg = seg
+        ctx.agreement = Agreement(shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+                                  compressor=f"{bits}-bit quantization", sent_cf=32.0 / bits, probes=(),
+                                  transport=kind)
+        checks = torch.tensor(ctx.agreement.values(comm.size()), dtype=torch.float32, device=x.device)
         ctx.handle = comm.allgather_async(packed, f"crossover.qallgather.{key}")
-        return stats, ctx, seg + stats.numel() * 4
+        payload = torch.cat([stats, checks])
+        return payload, ctx, seg + payload.numel() * 4
 
     def decode(self, reduced: torch.Tensor, ctx: QuantCtx,
                comm: Collectives) -> tuple[torch.Tensor, tuple[float, float]]:
@@ -103,11 +116,14 @@ class QuantCodec:
     def _decode(self, reduced: torch.Tensor, ctx: QuantCtx,
                 comm: Collectives) -> tuple[torch.Tensor, tuple[float, float]]:
         world = comm.size()
-        stats = reduced[-QUANT_STATS_LEN:].float()
-        one = float(stats[0])  # 1 for Average, world size for Sum
-        sq = float(stats[1]) * (ctx.numel if ctx.kind == cost_model.ALLREDUCE else 1)
-        if ctx.kind == cost_model.ALLREDUCE:
+        if ctx.kind == cost_model.ALLREDUCE:  # [fp16 values, 1, ||x||^2 / numel]
+            stats = reduced[-QUANT_STATS_LEN:].float()
+            one, sq = float(stats[0]), float(stats[1]) * ctx.numel  # one: 1 for Average, world size for Sum
             return reduced[:ctx.numel].float().view(ctx.shape), (one, sq)
+        host = reduced.tolist()  # [1, ||x||^2, agreement checks]
+        one, sq = host[0], host[1]
+        if ctx.agreement is not None:  # before the wait: a disagreement raises on every rank instead of garbage
+            ctx.agreement.check(host[QUANT_STATS_LEN:QUANT_STATS_LEN + CHECK_LEN], one, world, ctx.key, comm.rank())
         gathered = comm.wait(ctx.handle)
         out = self._buf(ctx.key, "out", ctx.numel, torch.float32, reduced.device)
         s = levels_for_bits(ctx.bits)
