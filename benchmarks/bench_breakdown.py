@@ -58,7 +58,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = "compute,hvd-none,hvd-off,ddp-none,hvd-topk:100,ddp-topk:100,hvd-adaptive,hvd-topk:10,hvd-warmup"
-PHASES = ("step", "cpu", "fwd", "bwd", "wait", "opt", "compress", "encode", "decompress", "decode", "policy")
+PHASES = ("step", "cpu", "fwd", "bwd", "wait", "opt", "compress", "encode", "decompress", "decode", "policy", "agree")
 #: the issue's targets: (name, numerator method, denominator method, bound)
 TARGETS = (("Horovod top-k vs DDP hook top-k, same CF", "hvd-topk:{cf}", "ddp-topk:{cf}", 1.10),
            ("AdaptiveCompression() settled at CF c vs StaticCompression at c", "hvd-adaptive@{cf}", "hvd-topk:{cf}",
@@ -128,6 +128,32 @@ class _Timer:
         out = dict(self.acc)
         self.acc.clear()
         return out
+
+
+_RUNNING: list[_Timer | None] = [None]  # the timer of the method whose step is running
+
+
+def _time_agreement() -> None:
+    """Time the agreement checks (issue 45: they must cost under 2 % of a step) as the phase "agree" of the
+    method whose step runs: what every codec does for them, wrapped where it is defined (class-level, once)."""
+    from crossover.compression import agreement, sparse_codec
+
+    clock = time.perf_counter
+
+    def timed(fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timer = _RUNNING[0]
+                if timer is not None:
+                    timer.acc["agree"] += clock() - t
+        return call
+
+    for cls, attr in ((agreement.Agreement, "values"), (agreement.Agreement, "check"),
+                      (sparse_codec.SparseCodec, "_agreement")):
+        setattr(cls, attr, timed(getattr(cls, attr)))
 
 
 class Method:
@@ -211,11 +237,11 @@ class Method:
             eng = self.state._engine
             t = self.timer
             t.wrap(eng, "run", "compress")
-            t.wrap(eng, "_decode", "decompress")
-            t.wrap(eng.codec, "encode", "encode")
-            t.wrap(eng.codec, "decode", "decode")
-            t.wrap(eng.driver, "begin_step", "policy")
-            t.wrap(eng.driver, "add_reduced", "policy")
+            t.wrap(eng.session, "decode", "decompress")
+            t.wrap(eng.session.codec, "encode", "encode")
+            t.wrap(eng.session.codec, "decode", "decode")
+            t.wrap(eng.session.driver, "begin_step", "policy")
+            t.wrap(eng.session.driver, "add_reduced", "policy")
         self.net = net
         self.opt = torch.optim.SGD(net.parameters(), lr=lr)
 
@@ -243,6 +269,7 @@ class Method:
         clock = time.perf_counter
         before = self.settled_cf()
         c0 = time.process_time()
+        _RUNNING[0] = self.timer
         t0 = self._since = clock()
         self.opt.zero_grad()
         if self.kind == "ddp":
@@ -267,6 +294,7 @@ class Method:
         t4 = clock()
         self._own += t4 - t0
         self._since = None
+        _RUNNING[0] = None
         acc = self.timer.take()
         if not record:
             return
@@ -384,6 +412,7 @@ def worker(cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
     rank = hvd.rank()
     names = cfg["methods"]
+    _time_agreement()
     x_all, y_all = make_data(cfg["model"], 5000, cfg["seed"])
     batch = cfg["batch"]
     methods = []
@@ -631,13 +660,18 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "median over the steps, so the columns do not add up to the step.",
         "",
         "| method | step | beyond compute | cpu | fwd | bwd | wait | opt | compress | encode | decompress | decode "
-        "| policy | settled CF |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | agree | settled CF |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         settled = f"{r['settled_cf']:g} ({r['settled_steps']} steps)" if "settled_cf" in r else ""
         cells = [ms(r["step"]), ms(r["beyond"]) if name != "compute" else "-"] + [ms(r[p]) for p in PHASES[1:]]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {settled} |")
+    agree = [f"{name} {ms(r['agree'])} ms ({100 * r['agree'] / r['step']:.2f} %)" for name, r in rows.items()
+             if r.get("agree") and r["step"]]
+    if agree:
+        lines += ["", "Agreement checks (median per step, share of the method's median step; bound 2 %): "
+                  + ", ".join(agree) + "."]
     lines += [
         "",
         "## Collectives and bytes per step",
