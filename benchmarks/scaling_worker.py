@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             "step_s_median": statistics.median(times), "predicted_per_step": statistics.fmean(predicted),
             "cfs": sorted(set(cfs)), "transports": sorted({t for t in transports if t}),
             "last_cf": cfs[-1], "last_transport": transports[-1]}
-    stats = comp.stats() if hasattr(comp, "stats") else {}
+    stats = comp.stats(debug=True) if hasattr(comp, "stats") else {}
     if rank == 0 and stats:  # the policy's view at the end (rates and gains per CF, the transport choice)
-        mine["policy"] = json.loads(json.dumps({k: stats.get(k) for k in ("policy", "transport_choice")},
-                                               default=str))
+        mine["policy"] = json.loads(json.dumps({k: v for k, v in stats.items()
+                                                if k.startswith(("policy/", "transport_choice/"))}, default=str))
     every = hvd.allgather_object(mine)
     if rank == 0:
         print("RESULT " + json.dumps({"config": cfg, "world": world, "ranks": every}), flush=True)

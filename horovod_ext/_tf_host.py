@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from crossover.compression.checks import check_flag, check_seed
 from crossover.driver import check_min_numel
+from crossover.driver.flat import user_stats
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import ADASUM_ERROR, tf_hook_context
 
@@ -195,13 +196,13 @@ class TFHookBase(metaclass=CompressionType):
             self.driver.reset()
             self._eager_phase = "idle"
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, debug: bool = False) -> dict[str, Any]:
         """Cumulative telemetry of this rank (the torch objects' keys): the driver's, with the bytes of
-        the last step that no "begin step" has read yet."""
+        the last step that no "begin step" has read yet; `debug`: the policy's internals too."""
         with self._lock:
             out = self.driver.stats()
             out["bytes_sent"], out["bytes_dense"] = self._bytes_now()
-            return out
+            return user_stats(out, debug)
 
     def close_tensorboard(self) -> None:
         """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""

@@ -29,6 +29,7 @@ import torch
 
 from crossover.compression.grouped import GroupedCollectives
 from crossover.driver import GradientKeys, check_min_numel
+from crossover.driver.flat import user_stats
 from crossover.driver.session import StepSession
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import (
@@ -200,10 +201,11 @@ class TorchHookBase(metaclass=CompressionType):
         self.session.reset()
 
     # ------------------------------------------------------------------ telemetry and state
-    def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank: step, CF or bits in use, bytes sent vs dense; flat (`policy/...`)."""
+    def stats(self, debug: bool = False) -> dict[str, Any]:
+        """Cumulative telemetry of this rank: step, CF or bits in use, bytes sent vs dense, whether the policy
+        settled and why (crossover/driver/flat.py); `debug`: the policy's internals too (`policy/...`)."""
         self._between_steps()
-        return self.session.stats()
+        return user_stats(self.session.stats(), debug)
 
     def close_tensorboard(self) -> None:
         """`tensorboard=`: log the step in flight, write everything, stop logging (done at exit anyway)."""

@@ -450,7 +450,7 @@ class FP16Compression(metaclass=CompressionType):
         """Cast back to the gradient's dtype."""
         return tensor if ctx is None else tf.cast(tensor, ctx)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, debug: bool = False) -> dict[str, Any]:
         """Bytes handed to Horovod vs the dense bytes (same keys as the other compressions)."""
         sent, dense = (int(v) for v in self._var().numpy())
         return {"step": None, "compression_factor": 2.0, "gain": None, "bytes_sent": sent, "bytes_dense": dense}

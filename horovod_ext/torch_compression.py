@@ -139,6 +139,6 @@ class FP16Compression(metaclass=CompressionType):
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return tensor if ctx is None else tensor.to(ctx)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, debug: bool = False) -> dict[str, Any]:
         return {"step": None, "compression_factor": 2.0, "gain": None, "bytes_sent": self.bytes_sent,
                 "bytes_dense": self.bytes_dense}

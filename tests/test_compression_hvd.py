@@ -175,7 +175,7 @@ def identical_decisions_job(steps, csv_dir):
     trace = []
     for step in range(steps):
         _grad_step(p, opt, _rank_grad(step, heavy=True))
-        s = comp.stats()
+        s = comp.stats(debug=True)
         trace.append([s["compression_factor"], s["policy/floor_cf"], s["policy/candidate_cf"], s["policy/settled"]])
     import horovod.torch as hvd
 

@@ -133,7 +133,7 @@ def job_optimizer_momentum(steps: int) -> dict:
             opt.zero_grad()
             ddp(torch.randn(8, 256)).square().mean().backward()
             opt.step()
-        st = state.stats()
+        st = state.stats(debug=True)
         out[name] = st.get("policy/momentum") if name != "dqsgd" else st.get("policy/lr", st.get("bits"))
         if name == "dqsgd":
             out["dqsgd_lr"] = state.driver.lr

@@ -37,7 +37,7 @@ WORKER = textwrap.dedent("""
     keep = ("last3_accuracy", "seconds", "dense_bytes", "bytes_sent", "weights_checksum", "steps")
     print(json.dumps({{"rank": hvd.rank(), "dense": {{k: dense[k] for k in keep}},
                       "ours": {{k: ours[k] for k in keep}}, "trace": trace,
-                      "policy": {{k: v for k, v in comp.stats().items() if k.startswith("policy/")}}}}))
+                      "policy": {{k: v for k, v in comp.stats(debug=True).items() if k.startswith("policy/")}}}}))
 """)
 
 

@@ -205,7 +205,7 @@ def job_small_bucket_inf(steps: int, poison_step: int) -> dict:
                 small = layouts._layouts[owner].numel < SMALL_BUCKET
         out[policy] = {"skipped": skipped, "zeroed": zeroed, "small": small, "nonfinite_then": nonfinite_then,
                        "nonfinite_steps": st.stats()["nonfinite_steps"],
-                       "observed": st.stats().get("policy/step"),
+                       "observed": st.stats(debug=True).get("policy/step"),
                        "params": [float(p.detach().double().sum()) for p in model.parameters()]}
     return out
 

@@ -88,7 +88,7 @@ def _train(kind: str, scaler_scale: float | None, poison: dict) -> dict:
            "loss": float(torch.nn.functional.mse_loss(model(x), y)),
            "params_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
     if kind != "none":
-        st = comp.stats()
+        st = comp.stats(debug=True)
         out["stats"] = {k: st.get(k) for k in ("step", "nonfinite_steps", "saturated_steps")}
         out["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in comp.codec.memory._residuals.values())
         out["observed"] = st.get("policy/step")
@@ -718,7 +718,7 @@ def _train_small_poison(kind: str) -> dict:
             st = comp.stats()  # between steps: the step is settled here
             zeroed = bool((comp.codec.memory._residuals["0.weight"] == 0).all())
             nonfinite_then = st["nonfinite_steps"]
-    st = comp.stats()
+    st = comp.stats(debug=True)
     return {"skipped": skipped, "nonfinite_steps": st["nonfinite_steps"], "nonfinite_then": nonfinite_then,
             "zeroed": zeroed, "observed": st.get("policy/step"),
             "params": [float(p.detach().double().sum()) for p in model.parameters()],

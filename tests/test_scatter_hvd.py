@@ -108,7 +108,8 @@ def decisions_job(steps):
         out = p.grad.detach()
         s = comp.stats()
         trace.append([s["compression_factor"], s["transport"], float(out.double().sum())])
-    return {"trace": trace, "choice": {k: v for k, v in comp.stats().items() if k.startswith("transport_choice/")}}
+    choice = {k: v for k, v in comp.stats(debug=True).items() if k.startswith("transport_choice/")}
+    return {"trace": trace, "choice": choice}
 
 
 def test_auto_every_rank_decides_the_same_transport_and_cf():

@@ -79,7 +79,8 @@ def hvd_tensorboard_job(root: str, steps: int) -> dict[str, Any]:
                     writer.add_scalar(prefix + k, v, step)
     dqsgd.close_tensorboard()  # before closing our own writer: its last step goes in
     writer.close()
-    return {"pid": os.getpid(), "types": sorted(types), "gravac_keys": sorted(gravac.stats())}
+    return {"pid": os.getpid(), "types": sorted(types), "gravac_keys": sorted(gravac.stats()),
+            "gravac_debug_keys": sorted(gravac.stats(debug=True))}
 
 
 def ddp_tensorboard_job(root: str, steps: int) -> dict[str, Any]:
@@ -100,7 +101,8 @@ def ddp_tensorboard_job(root: str, steps: int) -> dict[str, Any]:
     state.close_tensorboard()  # the harness ends the ranks with os._exit (no atexit): close ourselves
     stats = state.stats()
     return {"pid": os.getpid(), "numeric": all(isinstance(v, (int, float, str)) or v is None for v in stats.values()),
-            "policy_keys": any(k.startswith("policy/") for k in stats)}
+            "policy_keys": any(k.startswith("policy/") for k in state.stats(debug=True))
+            and not any(k.startswith("policy/") for k in stats)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,12 +133,13 @@ def test_horovod_job_writes_rank0_scalars_and_uses_the_callers_writer(tmp_path: 
         assert _steps(user, "crossover/bits") == every
         assert _steps(user, "crossover/bytes_sent_over_dense") == every
         assert _steps(user, "gravac/bytes_sent") == every and _steps(user, "dqsgd/bits") == every
-        assert _steps(user, "gravac/policy/send_cf") == every
-        assert "dqsgd/policy/bits" in user.Tags()["scalars"]  # once DQ-SGD calibrated its budget
+        assert _steps(user, "gravac/settled") == every and _steps(user, "gravac/max_cf") == every
+        assert not any("policy/" in t for t in user.Tags()["scalars"])  # stats() shows no internals
     for r in res:
         assert set(r["types"]) <= {"int", "float", "bool", "str", "NoneType"}, r["types"]
         assert {"step", "compression_factor", "gain", "bytes_sent", "bytes_dense", "nonfinite_steps",
-                "compressor", "policy/settled", "policy/searches"} <= set(r["gravac_keys"])
+                "compressor", "transport", "settled", "settled_reason", "max_cf", "momentum"} == set(r["gravac_keys"])
+        assert {"policy/settled", "policy/searches"} <= set(r["gravac_debug_keys"])
 
 
 def test_ddp_job_writes_rank0_scalars(tmp_path: Path) -> None:
@@ -407,3 +410,19 @@ def test_flatten_names_nested_values() -> None:
     assert out == {"step": 3, "policy/gains/10": 0.5, "policy/gains/12.5": 0.25, "policy/list/0": 1,
                    "policy/list/1": 2, "policy/none": None, "policy/nan": out["policy/nan"], "policy/sub/a/b": True}
     assert math.isnan(out["policy/nan"])
+
+
+def test_user_stats_show_what_a_user_reads_and_debug_shows_everything() -> None:
+    from crossover.driver.flat import USER_KEYS, user_stats
+
+    drv = SparseStepDriver(GravacPolicy(cf_min=4, cf_max=64, window=2), compressor="topk", seed=0)
+    _drive(drv, 3)
+    full = drv.stats()
+    assert "policy/momentum" in full and "policy/max_cf" in full
+    full["policy/momentum"] = float(torch.tensor(0.9))  # as an optimizer's float32 momentum reads
+    shown = user_stats(full)
+    assert not any("/" in k for k in shown) and "saturated_steps" not in shown
+    assert set(shown) == {k for k in USER_KEYS if k in full} | {"settled", "settled_reason", "max_cf", "momentum"}
+    assert shown["momentum"] == 0.9 and full["policy/momentum"] != 0.9  # float32's 0.9 shown as 0.9
+    assert shown["settled"] is full["policy/settled"] and shown["max_cf"] == full["policy/max_cf"]
+    assert user_stats(full, debug=True) is full

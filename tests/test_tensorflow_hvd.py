@@ -208,7 +208,8 @@ def decisions_job(steps):
     again.sync()
     return {"cfs": cfs, "bits": bits, "sums": sums, "policy": repr(comp.policy),
             "bytes": [st["bytes_sent"], st["bytes_dense"]], "step": st["step"],
-            "keys": sorted(k for k in st), "qkeys": sorted(qcomp.stats())}
+            "keys": sorted(k for k in st), "debug_keys": sorted(comp.stats(debug=True)),
+            "qkeys": sorted(qcomp.stats())}
 
 
 def test_identical_decisions_when_ranks_differ():
@@ -221,10 +222,10 @@ def test_identical_decisions_when_ranks_differ():
     assert len(set(a["bits"])) >= 2, a["bits"]
     assert a["step"] == steps
     assert a["bytes"][0] < a["bytes"][1]
-    assert [k for k in a["keys"] if not k.startswith("policy/")] == sorted([
+    assert a["keys"] == sorted([
         "step", "compression_factor", "gain", "bytes_sent", "bytes_dense", "compressor", "nonfinite_steps",
-        "saturated_steps"])
-    assert {"policy/settled", "policy/send_cf", "policy/searches"} <= set(a["keys"])
+        "settled", "settled_reason", "max_cf", "momentum"])
+    assert {"policy/settled", "policy/send_cf", "policy/searches", "saturated_steps"} <= set(a["debug_keys"])
     assert {"step", "bits", "compression_factor", "gain", "bytes_sent", "bytes_dense"} <= set(a["qkeys"])
 
 
@@ -598,7 +599,7 @@ def keras_momentum_job():
         model.fit(xtr[:640], ytr[:640], batch_size=32, epochs=2, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
         st = comp.stats()
-        out[label] = {"max_cf": st["policy/max_cf"], "momentum": st["policy/momentum"], "step": st["step"]}
+        out[label] = {"max_cf": st["max_cf"], "momentum": st["momentum"], "step": st["step"]}
     return out
 
 
@@ -628,7 +629,7 @@ def momentum_default_job():
             _reduce_eager(comp, _rank_grad(step))
             cfs.append(float(comp.stats()["compression_factor"]))
         st = comp.stats()
-        out[label] = {"max_cf": st["policy/max_cf"], "momentum": st["policy/momentum"], "cfs": cfs}
+        out[label] = {"max_cf": st["max_cf"], "momentum": st["momentum"], "cfs": cfs}
     return out
 
 

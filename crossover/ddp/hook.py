@@ -52,6 +52,7 @@ from crossover.driver import (
     dqsgd_settings,
     gravac_or_dense,
 )
+from crossover.driver.flat import user_stats
 from crossover.driver.records import check_int
 from crossover.driver.session import QuantSession, cf_session, check_compressor
 
@@ -277,9 +278,9 @@ class AdaptiveState:
         self._engine = engine
 
     # ------------------------------------------------------------------ telemetry and state
-    def stats(self) -> dict[str, Any]:
-        """Cumulative telemetry of this rank (the Horovod objects' keys; flat: policy details as `policy/...`)."""
-        return self._engine.stats()
+    def stats(self, debug: bool = False) -> dict[str, Any]:
+        """Cumulative telemetry of this rank, the Horovod objects' keys; `debug`: the policy's internals too."""
+        return user_stats(self._engine.stats(), debug)
 
     def state_dict(self) -> dict[str, Any]:
         """Policy, step counter, byte counters and error-feedback residuals (per parameter ordinal)."""

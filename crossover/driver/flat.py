@@ -12,7 +12,17 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["flat_stats", "flatten"]
+__all__ = ["USER_KEYS", "flat_stats", "flatten", "user_stats"]
+
+#: What `stats()` shows a user (documented in docs/compression.md, "Telemetry and state"); `stats(debug=True)` adds
+#: the policy's internals (`policy/...`, `transport_choice/...`, `saturated_steps`), which change as the policy does.
+USER_KEYS = ("step", "compression_factor", "bits", "gain", "bytes_sent", "bytes_dense", "nonfinite_steps",
+             "compressor", "transport")
+#: Policy details a user asks about, under plain names: has the search settled, why (its step time or the gain),
+#: the CF cap and the momentum that set it.
+_PROMOTED = (("policy/settled", "settled"), ("policy/settled_reason", "settled_reason"), ("policy/max_cf", "max_cf"),
+             ("policy/momentum", "momentum"))
+_MOMENTUM_DIGITS = 6  # an optimizer's float32 0.9 reads 0.8999999761581421: shown as 0.9
 
 
 def flat_stats(top: dict[str, Any], **nested: Any) -> dict[str, Any]:
@@ -47,3 +57,16 @@ def _key(k: Any) -> str:
     if isinstance(k, float) and k.is_integer():
         return str(int(k))
     return str(k)
+
+
+def user_stats(full: dict[str, Any], debug: bool = False) -> dict[str, Any]:
+    """The user-facing view of a compression's flat `full` statistics (`USER_KEYS` and the promoted policy
+    details, momentum rounded), or `full` itself with `debug`."""
+    if debug:
+        return full
+    out = {k: full[k] for k in USER_KEYS if k in full}
+    for src, name in _PROMOTED:
+        if src in full:
+            v = full[src]
+            out[name] = round(v, _MOMENTUM_DIGITS) if name == "momentum" and isinstance(v, float) else v
+    return out
