@@ -7,8 +7,10 @@
 * :func:`compare` takes several ``results.json`` and writes a markdown table (time to the dense run's
   final accuracy, speed-ups against dense fp32 and Horovod fp16, each method's final accuracy over seeds beside
   dense's own seed-to-seed spread) and comparison plots;
-* :func:`final_value` is what "final" means in all of these: the mean of the evaluations over the last 10 % of
-  a run's steps (:data:`FINAL_WINDOW`), not the last evaluation alone;
+* :func:`final_value` is what "final" means in all of these, and in the simulator (``sim_gravac.py``): the mean of
+  the evaluations over the last 10 % of a run's steps (:data:`FINAL_WINDOW`), not the last evaluation alone;
+  :func:`first_reach` what "time to target" means: the first evaluation where the mean of it and the evaluations
+  just before it (:data:`TTA_SMOOTH`) reaches the target;
 * :func:`method_targets` checks a method (``gravac``: ``AdaptiveCompression()``) against issue 33's targets.
 
 Plots use matplotlib's Agg backend (no display needed).
@@ -27,7 +29,7 @@ from typing import Any, Iterable, Sequence
 log = logging.getLogger(__name__)
 
 __all__ = ["summarize", "write_run", "plot_run", "plot_timeline", "compare", "time_to", "load_results",
-           "final_value", "kept_accuracy_oracle", "method_targets", "FINAL_WINDOW"]
+           "final_value", "first_reach", "kept_accuracy_oracle", "method_targets", "FINAL_WINDOW", "TTA_SMOOTH"]
 
 STEP_FIELDS = ("step", "epoch", "t", "step_s", "data_s", "loss", "bytes_sent", "bytes_dense", "cf", "bits", "lr")
 EPOCH_FIELDS = ("epoch", "step", "train_s", "wall_s", "eval_s", "eval_loss", "accuracy", "top5", "perplexity",
@@ -56,29 +58,45 @@ def better(metric: str, a: float, b: float) -> bool:
 FINAL_WINDOW = 0.10
 
 
+#: Time to target reads the mean of each evaluation and the TTA_SMOOTH - 1 before it: a first crossing on a small
+#: test set is a spike as often as a trend (issue 46 (b)).
+TTA_SMOOTH = 3
+_ROUNDING = 1e-9  # a mean of equal values can round a hair past them: (0.95 * 3) / 3 < 0.95
+
+
+def _evaluations(evals: Sequence[dict[str, Any]], metric: str) -> list[tuple[int, dict[str, Any]]]:
+    """(step, evaluation) with a value of ``metric``, in step order, one per step (an epoch end that falls on an
+    ``--eval-every`` step is evaluated twice: the later one is kept)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for e in evals:
+        if e.get(metric) is not None:
+            by_step[int(e["step"])] = e
+    return sorted(by_step.items())
+
+
 def final_value(evals: Sequence[dict[str, Any]], metric: str,
                 window: float = FINAL_WINDOW) -> tuple[float | None, int]:
     """(the mean of ``metric`` over the evaluations in the last ``window`` of the run's steps, how many were
-    averaged). One evaluation per step counts (an epoch end that falls on an ``--eval-every`` step is evaluated
-    twice: the later one is kept); the last evaluation is always included."""
-    by_step: dict[int, float] = {}
-    for e in evals:
-        if e.get(metric) is not None:
-            by_step[int(e["step"])] = float(e[metric])
-    if not by_step:
+    averaged); the last evaluation is always included."""
+    pts = _evaluations(evals, metric)
+    if not pts:
         return None, 0
-    last = max(by_step)
-    vals = [v for step, v in by_step.items() if step >= last * (1.0 - window)]
+    last = pts[-1][0]
+    vals = [float(e[metric]) for step, e in pts if step >= last * (1.0 - window)]
     return statistics.fmean(vals), len(vals)
 
 
-def first_reach(evals: Sequence[dict[str, Any]], metric: str, target: float | None) -> dict[str, Any] | None:
-    """The first evaluation whose ``metric`` reaches ``target`` (None if never)."""
+def first_reach(evals: Sequence[dict[str, Any]], metric: str, target: float | None,
+                smooth: int = TTA_SMOOTH) -> dict[str, Any] | None:
+    """The first evaluation where the mean of ``metric`` over it and the ``smooth - 1`` evaluations before it
+    (fewer at the start) reaches ``target`` (None if never)."""
     if target is None:
         return None
-    for e in evals:
-        v = e.get(metric)
-        if v is not None and better(metric, float(v), float(target)):
+    pts = _evaluations(evals, metric)
+    vals = [float(e[metric]) for _, e in pts]
+    slack = -_ROUNDING if metric == "perplexity" else _ROUNDING
+    for i, (_, e) in enumerate(pts):
+        if better(metric, statistics.fmean(vals[max(0, i - smooth + 1):i + 1]) + slack, float(target)):
             return e
     return None
 

@@ -64,6 +64,8 @@ from crossover.compression.collectives import SimulatedGroup  # noqa: E402
 from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
 from crossover.driver import SparseStepDriver, transport  # noqa: E402
 
+from .report import TTA_SMOOTH, final_value, first_reach  # noqa: E402
+
 __all__ = ["Method", "Workload", "parse_method", "parse_workload", "main"]
 
 DEFAULT_METHODS = ("dense", "fp16", "topk:10", "topk:100", "topk:1000", "gravac")
@@ -532,33 +534,32 @@ def times_for(res: RunResult, sim: Simulator, wl: Workload, compute_s: float, wo
     return out
 
 
-def smoothed(evals: list[tuple[int, float]], k: int) -> list[float]:
-    """Mean of each evaluation and the k - 1 before it (fewer at the start): one test-set sample of 360
-    images moves by a quarter point per image, and a single lucky evaluation should not decide a time."""
-    accs = [a for _, a in evals]
-    return [statistics.fmean(accs[max(0, i - k + 1):i + 1]) for i in range(len(accs))]
+def _as_evals(evals: list[tuple[int, float]], cum: list[float] | None = None) -> list[dict[str, Any]]:
+    """(step, accuracy) pairs as the reports' evaluations, timed by the simulated clock `cum` (seconds per step,
+    cumulated)."""
+    return [{"step": step, "accuracy": acc, "train_s": cum[step - 1] if cum and step > 0 else 0.0}
+            for step, acc in evals]
 
 
-def final_accuracy(evals: list[tuple[int, float]], k: int) -> float:
-    """Mean of the last k evaluations."""
-    return statistics.fmean(a for _, a in evals[-k:])
+def final_accuracy(evals: list[tuple[int, float]]) -> float:
+    """"Final" as every report means it (benchmarks/report.py, `final_value`)."""
+    value, _ = final_value(_as_evals(evals), "accuracy")
+    return float("nan") if value is None else value
 
 
-def time_to(evals: list[tuple[int, float]], cum: list[float], target: float,
-            k: int = 1) -> tuple[float | None, float | None]:
-    """(simulated time at the first evaluation whose k-evaluation mean reaches ``target``, time since the
-    previous evaluation: the resolution of that figure)."""
-    prev_t = 0.0
-    for (step, _), acc in zip(evals, smoothed(evals, k)):
-        t = cum[step - 1] if step > 0 else 0.0
-        if acc >= target - 1e-9:
-            return t, t - prev_t
-        prev_t = t
-    return None, None
+def time_to(evals: list[tuple[int, float]], cum: list[float], target: float) -> tuple[float | None, float | None]:
+    """(simulated time to ``target`` as every report reads it (benchmarks/report.py, `first_reach`: a moving mean of
+    TTA_SMOOTH evaluations), time since the previous evaluation: the resolution of that figure)."""
+    pts = _as_evals(evals, cum)
+    hit = first_reach(pts, "accuracy", target)
+    if hit is None:
+        return None, None
+    i = next(j for j, e in enumerate(pts) if e is hit)
+    return hit["train_s"], hit["train_s"] - (pts[i - 1]["train_s"] if i else 0.0)
 
 
-def summarize(res: RunResult, cum: list[float], target: float, k: int) -> dict[str, Any]:
-    tta, res_s = time_to(res.evals, cum, target, k)
+def summarize(res: RunResult, cum: list[float], target: float) -> dict[str, Any]:
+    tta, res_s = time_to(res.evals, cum, target)
     sent = sum(r.bytes_sent for r in res.records)
     cfs = [r.send_cf for r in res.records]
     runs: list[list[float]] = []
@@ -568,7 +569,7 @@ def summarize(res: RunResult, cum: list[float], target: float, k: int) -> dict[s
         else:
             runs.append([cf, 1])
     return {"method": res.method, "seed": res.seed, "tta_s": tta, "tta_resolution_s": res_s,
-            "final_accuracy": final_accuracy(res.evals, k), "last_accuracy": res.evals[-1][1], "target": target,
+            "final_accuracy": final_accuracy(res.evals), "last_accuracy": res.evals[-1][1], "target": target,
             "total_s": cum[-1] if cum else 0.0,
             "bytes_ratio": res.dense_bytes_per_step * len(res.records) / sent if sent else float("inf"),
             "mean_step_ms": 1e3 * cum[-1] / len(cum) if cum else 0.0,
@@ -596,7 +597,7 @@ def _fmt_ratio(vals: list[float | None]) -> str:
     return body + (f" ({missed} not reached)" if missed else "")
 
 
-def mean_curve(runs: list[dict[str, Any]], k: int) -> tuple[list[tuple[int, float]], list[float]]:
+def mean_curve(runs: list[dict[str, Any]]) -> tuple[list[tuple[int, float]], list[float]]:
     """The seed-averaged learning curve: mean accuracy per evaluation and mean simulated time per step.
 
     Time to target on one seed is ill-conditioned here: the accuracy hovers around the target (dense's
@@ -610,24 +611,24 @@ def mean_curve(runs: list[dict[str, Any]], k: int) -> tuple[list[tuple[int, floa
     return evals, times
 
 
-def analyse(rows: dict[str, dict[str, list[dict[str, Any]]]], methods: list[str], k: int) -> dict[str, Any]:
+def analyse(rows: dict[str, dict[str, list[dict[str, Any]]]], methods: list[str]) -> dict[str, Any]:
     """Per workload and method: times to target on the seed-mean curve, and per-seed ratios to dense and to
     the best static method (dense, fp16, static top-k) of the same seed. Everything is recomputed from the
-    recorded evaluations and step times with ``k``-evaluation smoothing."""
+    recorded evaluations and step times, as every report reads them (benchmarks/report.py)."""
     out: dict[str, Any] = {}
     for wl, by_method in rows.items():
         seeds = sorted({r["seed"] for rs in by_method.values() for r in rs})
         statics = [x for x in by_method if x in _STATIC_LABELS]
-        dense_final = {r["seed"]: final_accuracy(r["evals"], k) for r in by_method["dense"]}
+        dense_final = {r["seed"]: final_accuracy(r["evals"]) for r in by_method["dense"]}
         target = statistics.fmean(dense_final.values()) - 0.01
 
         def seed_tta(r: dict[str, Any], finals: dict[int, float] = dense_final) -> float | None:
-            return time_to(r["evals"], r["times"], finals[r["seed"]] - 0.01, k)[0]
+            return time_to(r["evals"], r["times"], finals[r["seed"]] - 0.01)[0]
 
         curve_tta = {}
         for m, rs in by_method.items():
-            ev, times = mean_curve(rs, k)
-            curve_tta[m] = time_to(ev, times, target, k)[0]
+            ev, times = mean_curve(rs)
+            curve_tta[m] = time_to(ev, times, target)[0]
         best_static = min((curve_tta[x] for x in statics if curve_tta[x]), default=None)
         best_label = next((x for x in statics if curve_tta[x] == best_static), None)
         table = {}
@@ -648,7 +649,7 @@ def analyse(rows: dict[str, dict[str, list[dict[str, Any]]]], methods: list[str]
                 ttas.append(t)
                 vs_best.append(t / best if t and best else None)
                 speedup.append(td / t if t and td else None)
-                dacc.append(100 * (final_accuracy(r["evals"], k) - dense_final[s]) if s in dense_final else None)
+                dacc.append(100 * (final_accuracy(r["evals"]) - dense_final[s]) if s in dense_final else None)
                 bytes_r.append(r["bytes_ratio"])
                 cf.append(r["final_cf"])
             c, cd = curve_tta[m], curve_tta["dense"]
@@ -712,7 +713,8 @@ def markdown(analysis: dict[str, Any], info: dict[str, Any], check: str | None) 
              f"seeds {', '.join(map(str, info['seeds']))}; jitter {info['jitter']:g}, "
              f"tensors under {info['min_compress_numel']} elements dense, {info['latency_us']:g} us per collective.",
              "",
-             f"Accuracy = mean of the last {info['smooth']} evaluations; target = dense's final accuracy - 1 point "
+             "Final accuracy: the mean over the last 10 % of the steps; time to target: the first evaluation where "
+             f"the mean of the last {info['smooth']} evaluations reaches dense's final accuracy - 1 point "
              "(mean over seeds). `curve`: time to target of the seed-averaged learning curve (mean accuracy per "
              "evaluation, mean simulated time per step); `vs best static` divides it by the best of dense, fp16 and "
              "static top-k 10/100/1000 (lower is better). `per seed`: the same ratio seed by seed, median "
@@ -797,9 +799,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-compress-numel", type=int, default=4096,
                    help="smaller tensors go dense (default 4096, BENCHMARKS.md's)")
     p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps (default 4)")
-    p.add_argument("--smooth", type=int, default=None,
-                   help="accuracy used for targets and times: mean of the last K evaluations (default 5: 20 "
-                        "steps, about one epoch; with --report-only: the run's own, unless given)")
     p.add_argument("--jitter", type=float, default=0.05,
                    help="log-normal sigma of a random factor on every simulated step time (default 0.05)")
     p.add_argument("--latency-us", type=float, default=50.0, help="latency per collective in us (default 50)")
@@ -826,7 +825,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.report_only:
         return report_only([Path(x) for x in a.report_only], a)
-    a.smooth = a.smooth or 5
     torch.set_num_threads(a.threads)
     try:
         methods = [parse_method(s) for s in a.methods]
@@ -901,23 +899,23 @@ def main(argv: list[str] | None = None) -> int:
                 tick(f"{m.label} seed {seed} mlp{width:g}",
                      f"final acc {res.evals[-1][1]:.3f}" + (" (cached)" if cached else ""))
             for wl in (w for w in workloads if w.width == width):
-                target = final_accuracy(static_res["dense"].evals, a.smooth) - 0.01
+                target = final_accuracy(static_res["dense"].evals) - 0.01
                 for label, res in static_res.items():
                     cum = times_for(res, sim, wl, comp, a.ranks)
-                    rows[wl.name].setdefault(label, []).append(summarize(res, cum, target, a.smooth))
+                    rows[wl.name].setdefault(label, []).append(summarize(res, cum, target))
                 for m in adaptive:
                     res = sim.run(task, m, total, wl, f"{m.label} seed {seed} {wl.name}")
                     cum = list(_cumsum(res, sim, wl, comp, a.ranks))
-                    s = summarize(res, cum, target, a.smooth)
+                    s = summarize(res, cum, target)
                     rows[wl.name].setdefault(m.label, []).append(s)
                     dense_tta = rows[wl.name]["dense"][-1]["tta_s"]
                     ratio = f"{dense_tta / s['tta_s']:.2f}x dense" if s["tta_s"] and dense_tta else "not reached"
                     tick(f"{m.label} seed {seed} {wl.name}",
                          f"final acc {s['final_accuracy']:.3f}, {ratio}, bytes /{s['bytes_ratio']:.1f}, "
                          f"final CF {s['final_cf']:g}")
-    analysis = analyse(rows, [m.label for m in methods], a.smooth)
+    analysis = analyse(rows, [m.label for m in methods])
     info = {"command": " ".join(["python benchmarks/sim_gravac.py", *(argv if argv is not None else sys.argv[1:])]),
-            "world": a.ranks, "batch": a.batch_size, "smooth": a.smooth, "lr": a.lr, "momentum": a.momentum,
+            "world": a.ranks, "batch": a.batch_size, "smooth": TTA_SMOOTH, "lr": a.lr, "momentum": a.momentum,
             "eval_every": a.eval_every, "steps": a.steps or f"{a.epochs} epochs ({total} steps)", "seeds": a.seeds,
             "jitter": a.jitter,
             "compute_ms": compute_ms, "latency_us": a.latency_us, "min_compress_numel": a.min_compress_numel,
@@ -995,9 +993,9 @@ def gain_study(a: argparse.Namespace, sim: Simulator, workload: Workload, out: P
                                                          "residual_ratio": resid}
                 lines.append(f"| {send:g} | {phase} | CF {cf:g} | {norm:.2f} | {auth:.2f} | {deliv:.2f} "
                              f"| {resid:.1f} |")
-        result["sent"][f"{send:g}"] = {"phases": rows, "final_accuracy": final_accuracy(res.evals, a.smooth),
+        result["sent"][f"{send:g}"] = {"phases": rows, "final_accuracy": final_accuracy(res.evals),
                                        "evals": res.evals}
-        print(f"send {send:g}: final accuracy {final_accuracy(res.evals, a.smooth):.3f}", flush=True)
+        print(f"send {send:g}: final accuracy {final_accuracy(res.evals):.3f}", flush=True)
     lines += ["", "final accuracy (mean of the last evaluations): " + ", ".join(
         f"send {k}: {v['final_accuracy']:.3f}" for k, v in result["sent"].items())]
     out.mkdir(parents=True, exist_ok=True)
@@ -1060,10 +1058,9 @@ def report_only(paths: list[Path], a: argparse.Namespace) -> int:
                 have.extend(r for r in rs if r["seed"] not in seen)
     _STATIC_LABELS.clear()
     _STATIC_LABELS.update(k for k, v in info["methods"].items() if v["kind"] in STATIC_KINDS)
-    smooth = a.smooth or int(info.get("smooth", 5))
     methods = list(info["methods"])
-    analysis = analyse(rows, methods, smooth)
-    info = {**info, "smooth": smooth}
+    analysis = analyse(rows, methods)
+    info = {**info, "smooth": TTA_SMOOTH}
     md = markdown(analysis, info, a.check if a.check in methods else None)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
