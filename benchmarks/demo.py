@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ if not __package__:  # run as a file: its relative imports resolve in the packag
 
 METHODS = (("none", "dense fp32"), ("fp16", "Horovod fp16"), ("gravac", "AdaptiveCompression()"))
 log = logging.getLogger("crossover.demo")
+BUSY = 0.5  # load average per core above which the demo says its speed-ups are those of a shared machine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("no emulated network (%s): the 2 ranks share the loopback, where communication is nearly "
                         "free and compression has little to win; run as root to see a 1 Gbit/s link", reason)
             bandwidth = None
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="crossover-demo-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nAdaptiveCompression() ended at compression factor {g['cf_final']:g}, sending "
           f"{g['compression_ratio'] or 1:.1f}x fewer bytes than dense, final accuracy "
           f"{100 * (g['final_minus_dense'] or 0):+.1f} points against dense.")
+    cores = os.cpu_count() or 1
+    if load_before > BUSY * cores:  # other work shares the cores the ranks (and the emulated link) compute on
+        print(f"\nThe machine was busy before the demo began (load average {load_before:.1f} on {cores} cores): "
+              "every step computes slower, so communication, which compression saves, is a smaller share of it "
+              "and the speed-ups above are smaller than on a quiet machine. Run it again when the machine is idle "
+              "to see the link's effect alone.")
     return 0
 
 
