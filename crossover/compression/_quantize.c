@@ -181,33 +181,11 @@ static inline void unpack_8(const uint8_t *restrict p, int64_t groups, int32_t s
         lev[j] = (int32_t)p[j] - s;
 }
 
-static inline void pack_any(int bits, const int32_t *restrict lev, int64_t groups, int32_t s,
-                            uint8_t *restrict p)
-{
-    switch (bits) {
-    case 2: pack_2(lev, groups, s, p); break;
-    case 3: pack_3(lev, groups, s, p); break;
-    case 4: pack_4(lev, groups, s, p); break;
-    case 5: pack_5(lev, groups, s, p); break;
-    case 6: pack_6(lev, groups, s, p); break;
-    case 7: pack_7(lev, groups, s, p); break;
-    default: pack_8(lev, groups, s, p); break;
-    }
-}
-
-static inline void unpack_any(int bits, const uint8_t *restrict p, int64_t groups, int32_t s,
-                              int32_t *restrict lev)
-{
-    switch (bits) {
-    case 2: unpack_2(p, groups, s, lev); break;
-    case 3: unpack_3(p, groups, s, lev); break;
-    case 4: unpack_4(p, groups, s, lev); break;
-    case 5: unpack_5(p, groups, s, lev); break;
-    case 6: unpack_6(p, groups, s, lev); break;
-    case 7: unpack_7(p, groups, s, lev); break;
-    default: unpack_8(p, groups, s, lev); break;
-    }
-}
+/* The b-bit packers and unpackers by width (b in [2, 8]); called once per chunk of groups. */
+typedef void (*pack_fn)(const int32_t *restrict, int64_t, int32_t, uint8_t *restrict);
+typedef void (*unpack_fn)(const uint8_t *restrict, int64_t, int32_t, int32_t *restrict);
+static const pack_fn PACK[9] = {0, 0, pack_2, pack_3, pack_4, pack_5, pack_6, pack_7, pack_8};
+static const unpack_fn UNPACK[9] = {0, 0, unpack_2, unpack_3, unpack_4, unpack_5, unpack_6, unpack_7, unpack_8};
 
 /* out = / += (float)lev * sw */
 static inline void dequant_block(const int32_t *restrict lev, int64_t m, float sw, float *restrict out, int acc)
@@ -615,6 +593,8 @@ MULTIVERSION
 int cq_quantize_pack(const float *x, int64_t n, float mult, int32_t s, int32_t bits, uint64_t seed,
                      uint8_t *out, float *ef, float step)
 {
+    if (bits < 2 || bits > 8)
+        return -1; /* the caller checks widths (levels_for_bits); never index past the packers */
     int32_t lev[BLK];
     uint8_t tail[8];
     const int avx2 = have_avx2();
@@ -642,13 +622,13 @@ int cq_quantize_pack(const float *x, int64_t n, float mult, int32_t s, int32_t b
         }
         int64_t from = fused ? done : 0; /* lev[from..m) still to pack; from is a multiple of 8 */
         int64_t full = (m - from) / 8;
-        pack_any(bits, lev + from, full, s, p + from / 8 * bits);
+        PACK[bits](lev + from, full, s, p + from / 8 * bits);
         int64_t rest = m - from - 8 * full;
         if (rest) { /* last block only: pad the group with code 0 (zero bits), write ceil(rest*b/8) */
             int32_t *g = lev + from + 8 * full;
             for (int64_t j = rest; j < 8; j++)
                 g[j] = -s;
-            pack_any(bits, g, 1, s, tail);
+            PACK[bits](g, 1, s, tail);
             memcpy(p + (from / 8 + full) * bits, tail, (size_t)((rest * bits + 7) / 8));
         }
     }
@@ -689,6 +669,8 @@ MULTIVERSION
 int cq_unpack(const uint8_t *packed, int64_t n, int32_t s, int32_t bits, float sw, float *out,
               int32_t accumulate, int32_t *lev_out)
 {
+    if (bits < 2 || bits > 8)
+        return -1;
     int32_t lev[BLK];
     uint8_t tail[8];
     const int avx2 = have_avx2();
@@ -712,12 +694,12 @@ int cq_unpack(const uint8_t *packed, int64_t n, int32_t s, int32_t bits, float s
 #endif
         int64_t full = (m - done) / 8; /* done is a multiple of 8: byte aligned */
         const uint8_t *q = p + done / 8 * bits;
-        unpack_any(bits, q, full, s, lev);
+        UNPACK[bits](q, full, s, lev);
         int64_t rest = m - done - 8 * full;
         if (rest) { /* read only the ceil(rest*b/8) bytes that exist */
             memset(tail, 0, sizeof tail);
             memcpy(tail, q + full * bits, (size_t)((rest * bits + 7) / 8));
-            unpack_any(bits, tail, 1, s, lev + 8 * full);
+            UNPACK[bits](tail, 1, s, lev + 8 * full);
         }
         if (out)
             dequant_block(lev, m - done, sw, out + i0 + done, accumulate);
