@@ -93,3 +93,60 @@ def run_ddp(fn: Callable[..., Any], world: int = 2, args: Sequence[Any] = (), ti
         if why is not None:
             raise DdpJobError(f"torch.distributed job {why}.\ncommand: {' '.join(cmd)}\n{text}")
         return read_rank_results(tmp, world, DdpJobError, text)
+
+
+def _lo_bytes() -> int | None:
+    """Bytes sent on this network namespace's loopback (only meaningful in a private namespace)."""
+    if not os.environ.get("CROSSOVER_COUNT_WIRE"):
+        return None
+    return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+
+
+def digits_run(state: Any, epochs: int, hidden: int, on_step: Any = None, show_optimizer: bool = False, *,
+               lr: float = 0.2, momentum: float = 0.0, bucket_cap_mb: float | None = None,
+               hook: Any = None) -> dict:
+    """Inside a torch.distributed rank: the digits MLP (`hidden` wide) trained `epochs` epochs by DDP on this rank's
+    shard, through `state` with crossover's hook (or `hook`; no hook with state None). Its test accuracy, the
+    hook's stats (dense bytes without a hook), loopback bytes (CROSSOVER_COUNT_WIRE), steps, and a digest of the
+    weights (every rank applies the same update: the same digest)."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.digits import load_digits_split, make_model
+    from crossover.ddp import adaptive_hook
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xtr, ytr, xte, yte = load_digits_split(0)
+    xtr, ytr = xtr[rank::world], ytr[rank::world]
+    torch.manual_seed(0)
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model(hidden), **kw)
+    if state is not None:
+        ddp.register_comm_hook(state, hook or adaptive_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
+    if show_optimizer:
+        state.optimizer = opt  # its momentum is read at each step
+    gen = torch.Generator().manual_seed(1)
+    dist.barrier()
+    wire0 = _lo_bytes()
+    steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(len(xtr), generator=gen)
+        for i in range(0, len(order) - 31, 32):
+            idx = order[i:i + 32]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            steps += 1
+            if on_step is not None:
+                on_step()
+    dist.barrier()
+    wire = _lo_bytes() - wire0 if wire0 is not None else None
+    with torch.no_grad():
+        acc = (ddp.module(xte).argmax(1) == yte).float().mean().item()
+    dense = sum(p.numel() * 4 for p in ddp.parameters()) * steps
+    st = state.stats() if state is not None else {"bytes_sent": dense, "bytes_dense": dense}
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ddp.parameters())).hexdigest()
+    return {"accuracy": acc, "stats": st, "wire_bytes": wire, "steps": steps, "digest": digest}

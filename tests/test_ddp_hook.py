@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import copy
 import io
-import os
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from ddp_harness import run_ddp
+from ddp_harness import digits_run, run_ddp
 
 from crossover.ddp import AdaptiveState, adaptive_hook
 
@@ -61,10 +58,6 @@ def _train_step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, step: int, noi
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
 
 
-def _stats(state: AdaptiveState) -> dict:
-    return {k: v for k, v in state.stats().items() if not k.startswith("policy/")}
-
-
 # ---------------------------------------------------------------------------------------------
 # jobs
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +99,7 @@ def job_versus_ddp(steps: int) -> dict:
                 g1 = torch.cat([p.grad.reshape(-1) for p in d.parameters()])
                 errs[name].append(float((g1 - g0).norm() / g0.norm()))
         opt.step()
-    return {"equal": equal, "errs": errs, "stats": {n: _stats(st) for n, (_, st) in hooked.items()},
+    return {"equal": equal, "errs": errs, "stats": {n: st.stats() for n, (_, st) in hooked.items()},
             "keys": {n: sorted(st.stats()) for n, (_, st) in hooked.items()}}
 
 
@@ -175,57 +168,11 @@ def job_decisions(steps: int) -> dict:
             "dqsgd_policy": dqsgd.state_dict()["driver"]["policy"], "synced": synced}
 
 
-def _digits_run(state: AdaptiveState | None, epochs: int, hidden: int, on_step: Any = None,
-                show_optimizer: bool = False) -> dict:
-    import torch.distributed as dist
-
-    from benchmarks.digits import load_digits_split, make_model
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    xtr, ytr, xte, yte = load_digits_split(0)
-    xtr, ytr = xtr[rank::world], ytr[rank::world]
-    torch.manual_seed(0)
-    ddp = DDP(make_model(hidden))
-    if state is not None:
-        ddp.register_comm_hook(state, adaptive_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
-    if show_optimizer:
-        state.optimizer = opt  # its momentum (plain SGD: 0) is read at each step
-    gen = torch.Generator().manual_seed(1)
-    dist.barrier()
-    wire0 = _lo_bytes()
-    steps = 0
-    for _ in range(epochs):
-        order = torch.randperm(len(xtr), generator=gen)
-        for i in range(0, len(order) - 31, 32):
-            idx = order[i:i + 32]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
-            opt.step()
-            steps += 1
-            if on_step is not None:
-                on_step()
-    dist.barrier()
-    wire = _lo_bytes() - wire0 if wire0 is not None else None
-    with torch.no_grad():
-        acc = (ddp.module(xte).argmax(1) == yte).float().mean().item()
-    dense = sum(p.numel() * 4 for p in ddp.parameters()) * steps
-    st = _stats(state) if state is not None else {"bytes_sent": dense, "bytes_dense": dense}
-    return {"accuracy": acc, "stats": st, "wire_bytes": wire, "steps": steps}
-
-
-def _lo_bytes() -> int | None:
-    """Bytes sent on this network namespace's loopback (only meaningful in a private namespace)."""
-    if not os.environ.get("CROSSOVER_COUNT_WIRE"):
-        return None
-    return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
-
-
 def job_digits(epochs: int, hidden: int) -> dict:
     """Digits: DDP dense, static top-k 100x through the hook, and the hook's defaults, one after another."""
-    return {"dense": _digits_run(None, epochs, hidden),
-            "topk100": _digits_run(AdaptiveState(policy="static", compressor="topk", cf=100), epochs, hidden),
-            "defaults": _digits_run(AdaptiveState(), epochs, hidden)}
+    return {"dense": digits_run(None, epochs, hidden),
+            "topk100": digits_run(AdaptiveState(policy="static", compressor="topk", cf=100), epochs, hidden),
+            "defaults": digits_run(AdaptiveState(), epochs, hidden)}
 
 
 # The paper's search decides on gains only (omega 0: throughput never settles it here), so a straight and
@@ -405,11 +352,11 @@ def job_digits_defaults(epochs: int, hidden: int) -> dict:
     trace: list[float] = []
     unset = AdaptiveState()
     unset_trace: list[float] = []
-    return {"dense": _digits_run(None, epochs, hidden),
-            "defaults": _digits_run(state, epochs, hidden, on_step=lambda: trace.append(state.driver.current.sent_cf),
+    return {"dense": digits_run(None, epochs, hidden),
+            "defaults": digits_run(state, epochs, hidden, on_step=lambda: trace.append(state.driver.current.sent_cf),
                                     show_optimizer=True),
             "trace": trace,
-            "unset": _digits_run(unset, 2, hidden, on_step=lambda: unset_trace.append(unset.driver.current.sent_cf)),
+            "unset": digits_run(unset, 2, hidden, on_step=lambda: unset_trace.append(unset.driver.current.sent_cf)),
             "unset_trace": unset_trace}
 
 
@@ -595,7 +542,7 @@ def job_nccl(steps: int) -> dict:
     for step in range(steps):
         equal += _step_all(plain, runs, step, dev)
         finite = all(bool(torch.isfinite(p.grad).all()) for d, _ in runs.values() for p in d.parameters())
-    return {"equal": equal, "finite": finite, "stats": {n: _stats(st) for n, (_, st) in runs.items()}}
+    return {"equal": equal, "finite": finite, "stats": {n: st.stats() for n, (_, st) in runs.items()}}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -641,7 +588,7 @@ def job_gloo_one_gpu(steps: int, only: list[str] | None = None, gloo_cuda_sync: 
             finite &= all(bool(torch.isfinite(g).all()) for g in grads)
             checksums[name].append(float(sum(g.double().sum() for g in grads)))
     return {"rank": dist.get_rank(), "equal": equal, "on_gpu": on_gpu, "finite": finite, "checksums": checksums,
-            "stats": {n: _stats(st) for n, (_, st) in runs.items()}}
+            "stats": {n: st.stats() for n, (_, st) in runs.items()}}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

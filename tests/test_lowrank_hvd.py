@@ -54,42 +54,23 @@ def test_the_adaptive_policy_drives_low_rank():
 def ddp_job(epochs: int) -> dict:
     """The digits MLP under DDP with buckets of 0.5 MB (several per step, the case PyTorch's powerSGD_hook fails on
     Gloo): dense, then low rank at CF 10, then a checkpoint of the low-rank state loaded into a new hook."""
-    import hashlib
 
     import torch
-    import torch.distributed as dist
+    from ddp_harness import digits_run
 
-    from benchmarks.digits import load_digits_split, make_model
     from crossover.ddp import AdaptiveState, adaptive_hook
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    xtr, ytr, xte, yte = load_digits_split(0)
-    xtr, ytr = xtr[rank::world], ytr[rank::world]
     out = {}
     for name in ("dense", "lowrank"):
-        torch.manual_seed(0)
-        ddp = torch.nn.parallel.DistributedDataParallel(make_model(512), bucket_cap_mb=0.5)
         state = AdaptiveState(policy="static", compressor="powersgd", cf=10) if name == "lowrank" else None
         buckets = set()
-        if state is not None:
-            def counting(st, bucket, seen=buckets):  # noqa: ANN001 - DDP's hook signature
-                seen.add(bucket.index())
-                return adaptive_hook(st, bucket)
 
-            ddp.register_comm_hook(state, counting)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(epochs):
-            order = torch.randperm(len(xtr), generator=gen)
-            for i in range(0, len(order) - 31, 32):
-                idx = order[i:i + 32]
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
-                opt.step()
-        with torch.no_grad():
-            acc = (ddp.module(xte).argmax(1) == yte).float().mean().item()
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ddp.parameters())).hexdigest()
-        out[name] = {"accuracy": acc, "digest": digest, "buckets": len(buckets)}
+        def counting(st, bucket, seen=buckets):  # noqa: ANN001 - DDP's hook signature
+            seen.add(bucket.index())
+            return adaptive_hook(st, bucket)
+
+        run = digits_run(state, epochs, 512, lr=0.02, momentum=0.9, bucket_cap_mb=0.5, hook=counting)
+        out[name] = {"accuracy": run["accuracy"], "digest": run["digest"], "buckets": len(buckets)}
         if state is not None:
             st = state.stats()
             out[name]["ratio"] = st["bytes_dense"] / st["bytes_sent"]

@@ -123,30 +123,32 @@ class TopK(Selector):
     name = "topk"
 
     def select(self, key, grad, residual, cf, seed):
-        numel = grad.numel()
-        k = k_for(numel, cf)
-        if k >= numel:
-            return _dense_selection(grad, residual)
-        thr = self._threshold(self._sample(key, grad, residual), k / numel)
-        count, sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
+        k, count, sel = self._sampled(key, grad, residual, cf)
         if count > self.trim_slack * k:  # trim the overshoot; trimmed elements go back to the residual
+            numel = grad.numel()
             keep = Selector.subselect(self, sel, numel, numel / k, seed)
             sel = apply_mask(sel, keep, residual)
         return sel
 
+    def _sampled(self, key, grad, residual, cf):
+        """(k, count, selection): the elements at or above a threshold estimated from a sample for k / numel
+        (count: how many; every element, count 0, where CF sends them all)."""
+        numel = grad.numel()
+        k = k_for(numel, cf)
+        if k >= numel:
+            return k, 0, _dense_selection(grad, residual)
+        thr = self._threshold(self._sample(key, grad, residual), k / numel)
+        count, sel = self._select_ge(key, grad, residual, thr, min(numel, 2 * k))
+        return k, count, sel
 
-class DGC(Selector):
+
+class DGC(TopK):
     """Deep Gradient Compression's sampled threshold: no trim, the count varies around k."""
 
     name = "dgc"
 
     def select(self, key, grad, residual, cf, seed):
-        numel = grad.numel()
-        k = k_for(numel, cf)
-        if k >= numel:
-            return _dense_selection(grad, residual)
-        thr = self._threshold(self._sample(key, grad, residual), k / numel)
-        return self._select_ge(key, grad, residual, thr, min(numel, 2 * k))[1]
+        return self._sampled(key, grad, residual, cf)[2]
 
 
 class RedSync(Selector):
