@@ -73,3 +73,27 @@ def start_daemon(d: str, *args: str, nofile: int | None = None, timeout: float =
         assert time.monotonic() < deadline, "daemon did not start"
         time.sleep(0.02)
     return proc
+
+
+#: A stand-in job's body: one rank's telemetry of three steps (compute, then waiting on communication), at once.
+TELEMETRY_OF_THREE_STEPS = """
+import os, time
+from crossover.scheduler.telemetry import Recorder
+r = Recorder(os.environ["CROSSOVER_TELEMETRY_DIR"], os.environ["CROSSOVER_JOB"], "rank0", "localhost", "cpu")
+t = time.time()
+for i in range(3):
+    r.span("compute", t + i, t + i + 0.5)
+    r.span("wait_comm", t + i + 0.5, t + i + 1)
+    r.step(i, t + i + 1, 0.5, 0.0, 0.5)
+r.close()
+"""
+
+
+def stand_in_horovodrun(d: Path, script: str, job: str = "") -> Path:
+    """Into folder ``d``: job.py (``job``'s text) and an executable ``horovodrun`` running ``script`` (Python) in
+    its place, for crossover-run tests that need no Horovod start-up. Returns the stand-in's path."""
+    (d / "job.py").write_text(job)
+    fake = d / "horovodrun"
+    fake.write_text(f"#!{sys.executable}\n" + script)
+    fake.chmod(0o755)
+    return fake

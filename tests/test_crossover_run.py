@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from sched_harness import TELEMETRY_OF_THREE_STEPS, stand_in_horovodrun
 
 from crossover.scheduler import telemetry
 
@@ -208,20 +209,12 @@ def test_bad_command_lines_are_usage_errors(argv: list[str], work: Path) -> None
 
 
 STAND_IN = textwrap.dedent("""
-    import os, sys, time
+    import os, sys
     from pathlib import Path
-    from crossover.scheduler.telemetry import Recorder
     Path(f"started.{os.environ['CROSSOVER_JOB']}").write_text("")  # which jobs ran
     if os.environ["CROSSOVER_JOB"] in os.environ.get("STAND_IN_QUIET", "").split(","):
         sys.exit(0)  # a job that never takes a turn: no telemetry
-    r = Recorder(os.environ["CROSSOVER_TELEMETRY_DIR"], os.environ["CROSSOVER_JOB"], "rank0", "localhost", "cpu")
-    t = time.time()
-    for i in range(3):
-        r.span("compute", t + i, t + i + 0.5)
-        r.span("wait_comm", t + i + 0.5, t + i + 1)
-        r.step(i, t + i + 1, 0.5, 0.0, 0.5)
-    r.close()
-""")
+""") + TELEMETRY_OF_THREE_STEPS
 
 
 @pytest.fixture
@@ -230,10 +223,7 @@ def stand_in(tmp_path: Path) -> Path:
     once) that leaves ``started.<job>`` behind, so a test sees which jobs ran."""
     d = tmp_path / "run"
     d.mkdir()
-    (d / "job.py").write_text("")
-    fake = d / "horovodrun"
-    fake.write_text(f"#!{sys.executable}\n" + STAND_IN)
-    fake.chmod(0o755)
+    stand_in_horovodrun(d, STAND_IN)
     return d
 
 
@@ -598,10 +588,7 @@ def test_progress_is_one_redrawn_line_on_a_terminal(work: Path) -> None:
 
     d = work / "tty"
     d.mkdir()
-    (d / "job.py").write_text("")
-    fake = d / "horovodrun"
-    fake.write_text(f"#!{sys.executable}\n" + FAKE_HOROVODRUN)
-    fake.chmod(0o755)
+    fake = stand_in_horovodrun(d, FAKE_HOROVODRUN)
     master, slave = pty.openpty()
     proc = subprocess.Popen(RUN + ["--horovodrun", str(fake), "-np", "1", "job.py", "job.py"], env=_env(), cwd=str(d),
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)

@@ -33,7 +33,7 @@ from typing import Iterator
 
 import pytest
 import sched_harness
-from sched_harness import ENV, daemons_for, start_daemon
+from sched_harness import ENV, TELEMETRY_OF_THREE_STEPS, daemons_for, stand_in_horovodrun, start_daemon
 
 from crossover.scheduler import paths
 from crossover.scheduler.client import SchedulerClient
@@ -142,21 +142,8 @@ def test_symlinks_planted_in_the_scheduler_dir_are_never_written_through(attacke
 def fake_run() -> Iterator[Path]:
     """A folder with job.py and a stand-in horovodrun that writes one rank's telemetry and exits 0."""
     d = Path(tempfile.mkdtemp(prefix="xo-fr-", dir="/tmp"))
-    (d / "job.py").write_text("raise SystemExit('never run: the stand-in horovodrun does not start it')\n")
-    fake = d / "horovodrun"
-    fake.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
-        import os, time
-        from crossover.scheduler.telemetry import Recorder
-        r = Recorder(os.environ["CROSSOVER_TELEMETRY_DIR"], os.environ["CROSSOVER_JOB"], "rank0", "localhost", "cpu")
-        t = time.time()
-        for i in range(3):
-            r.span("compute", t + i, t + i + 0.5)
-            r.span("wait_comm", t + i + 0.5, t + i + 1)
-            r.step(i, t + i + 1, 0.5, 0.0, 0.5)
-        r.close()
-        time.sleep(0.5)  # two runs started together overlap
-    """))
-    fake.chmod(0o755)
+    overlapping = TELEMETRY_OF_THREE_STEPS + "time.sleep(0.5)  # two runs started together overlap\n"
+    stand_in_horovodrun(d, overlapping, job="raise SystemExit('never run: the stand-in horovodrun does not run it')\n")
     try:
         yield d
     finally:
