@@ -163,3 +163,43 @@ def test_probes_measure_what_each_rank_keeps_and_gravac_decides_alike_on_every_r
     assert gains and all(0.0 < g <= 1.0 + 1e-6 for g in gains.values()), gains
     ordered = [gains[cf] for cf in sorted(gains)]
     assert ordered == sorted(ordered, reverse=True), gains  # a higher CF (lower rank) keeps no more
+
+
+def test_a_resumed_run_continues_from_the_saved_warm_starts():
+    """Q is warm-started from the last step: a checkpoint keeps it, so the step after a resume is the step the run
+    would have taken (without it, Q was drawn again from the seed and the factors differed)."""
+    world, shape, cf = 2, (64, 96), 20.0
+    group = SimulatedGroup(world)
+    ran = [LowRankCodec(seed=5) for _ in range(world)]
+    for step in range(1, 4):
+        _step(ran, _grads(world, step, shape), step, cf, group)
+    saved = [(c.warm_state(), c.memory.state()) for c in ran]
+    assert all(torch.equal(saved[0][0]["w"], s[0]["w"]) for s in saved)  # the same on every rank
+    resumed = [LowRankCodec(seed=5) for _ in range(world)]
+    for c, (warm, residuals) in zip(resumed, saved):
+        c.load_warm(LowRankCodec.check_warm_state(warm))
+        c.memory.load(residuals)
+    redrawn = [LowRankCodec(seed=5) for _ in range(world)]
+    for c, (_, residuals) in zip(redrawn, saved):
+        c.memory.load(residuals)
+    grads = _grads(world, 4, shape)
+    straight = _step(ran, grads, 4, cf, group)[0][0]
+    assert torch.equal(_step(resumed, grads, 4, cf, group)[0][0], straight)
+    assert not torch.allclose(_step(redrawn, grads, 4, cf, group)[0][0], straight)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "not a tensor", torch.zeros(3), torch.zeros(4, 2, dtype=torch.float64)])
+def test_a_bad_warm_start_in_a_checkpoint_is_refused_and_changes_nothing(bad):
+    kw = dict(error_feedback=True, seed=0, log_csv=None, rank=lambda: 0, transport=None, alltoall=False,
+              fixed_gather=True, momentum=0.9, unknown_momentum=0.0, clock=None)
+    session = cf_session(LOWRANK, StaticPolicy(cf=10), **kw)
+    session.codec._q["w"] = torch.eye(4)[:, :2].contiguous()
+    state = session.state_dict()
+    assert set(state["warm_starts"]) == {"w"}
+    state["warm_starts"] = {"w": torch.full((4, 2), bad) if isinstance(bad, float) else bad}
+    state["step"] = 7
+    with pytest.raises(ValueError, match="low-rank warm start 'w'"):
+        session.load_state_dict(state)
+    assert session.driver.step == 0 and torch.equal(session.codec._q["w"], torch.eye(4)[:, :2])
+    session.load_state_dict({**state, "warm_starts": {"w": torch.ones(5, 1)}})  # another shape: redrawn when used
+    assert session.driver.step == 7 and session.codec._q["w"].shape == (5, 1)

@@ -23,6 +23,7 @@ which GraVAC compares as it compares top-k's levels.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,30 @@ class LowRankCodec:
         self._q.clear()
         self._pending = []
 
+    def warm_state(self) -> dict[str, torch.Tensor]:
+        """The warm starts (key -> Q, on the CPU), the same on every rank: a resumed run continues from them."""
+        return {key: q.detach().cpu().clone() for key, q in self._q.items()}
+
+    @staticmethod
+    def check_warm_state(state: object) -> dict[str, torch.Tensor]:
+        """`warm_state()` output, checked (ValueError naming what is wrong), as CPU copies for `load_warm`."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"low-rank warm starts must be a mapping of key -> Q, got {type(state).__name__}")
+        out = {}
+        for key, q in state.items():
+            if not (isinstance(key, str) and isinstance(q, torch.Tensor) and q.dim() == 2 and q.numel() > 0
+                    and q.dtype == torch.float32 and bool(torch.isfinite(q).all())):
+                what = f"{q.dtype} of shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+                raise ValueError(f"low-rank warm start {key!r}: expected a finite float32 matrix (columns x rank), "
+                                 f"got {what}")
+            out[key] = q.detach().cpu().clone()
+        return out
+
+    def load_warm(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue from `check_warm_state`'s output (a tensor of another shape is redrawn when it is used)."""
+        self.forget()
+        self._q.update(state)
+
     # ------------------------------------------------------------------ encode
     def encode(self, key: str, tensor: torch.Tensor, rec: Any, step_time: float, comm: Any,
                momentum: float = 0.0) -> tuple[torch.Tensor, LowRankCtx, int]:
@@ -150,9 +175,11 @@ class LowRankCodec:
         """r orthonormal columns for `key`: the last step's Q, completed (or first drawn) with columns from the shared
         seed, the same on every rank."""
         q = self._q.get(key)
-        if q is not None and q.shape[0] == cols and q.shape[1] >= r and q.device == device:
+        if q is not None and q.device != device:  # loaded from a checkpoint, on the CPU
+            q = self._q[key] = q.to(device)
+        if q is not None and q.shape[0] == cols and q.shape[1] >= r:
             return q[:, :r]
-        have = q if q is not None and q.shape[0] == cols and q.device == device else None
+        have = q if q is not None and q.shape[0] == cols else None
         gen = torch.Generator().manual_seed(shared_seed(self.seed, step, key) & 0x7FFF_FFFF_FFFF_FFFF)
         new = torch.randn(cols, r - (0 if have is None else have.shape[1]), generator=gen).to(device)
         return _orthonormal(new if have is None else torch.cat([have, new], dim=1))

@@ -258,13 +258,18 @@ class LowRankSession(SparseSession):
         self.codec.forget()
 
     def state_dict(self, agreed: bool = True) -> dict[str, Any]:
-        return self.driver.state_dict()
+        """The driver's state and the warm starts (the same on every rank)."""
+        return {**self.driver.state_dict(), "warm_starts": self.codec.warm_state()}
 
     def load_state_dict(self, state: Mapping[str, Any], agreed: bool = True) -> bool:
-        """The driver's state; the warm starts are drawn again from the shared seed, on every rank alike."""
+        """The driver's state and the warm starts (checked first: ValueError, nothing changed); a state without
+        them draws them again from the shared seed, on every rank alike."""
+        warm = None
+        if isinstance(state, Mapping) and "warm_starts" in state:
+            warm = self.codec.check_warm_state(state["warm_starts"])
         in_flight = StepSession.load_state_dict(self, state)
         self.codec.seed = self.driver.seed
-        self.codec.forget()
+        self.codec.load_warm(warm or {})
         return in_flight
 
 
