@@ -49,7 +49,7 @@ import time
 from typing import IO, Any, Sequence
 
 from crossover.scheduler import paths, settings
-from crossover.scheduler.daemon_support import LogLimiter, fd_limit_cap, unpin
+from crossover.scheduler.daemon_support import LogLimiter, fd_limit_cap, renice, unpin
 from crossover.scheduler.policy import Grant, Scheduler, StateError
 from crossover.scheduler.protocol import CLIENT_OPS, HEADER, VERSION, Decoder, ProtocolError, encode
 
@@ -549,12 +549,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _settings_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the options not given on the command line from their environment variables (usage error if bad)."""
-    checks = {"lease": settings.LEASE_S, "align_ms": settings.ALIGN_MS, "idle_exit": settings.IDLE_EXIT_S,
-              "nice": settings.NICE}
     for dest, (var, default) in _ENV_DEFAULTS.items():
         if getattr(args, dest) is None:
             try:
-                value = settings.from_env(var, checks[dest], default)
+                value = settings.from_env(var, settings.DAEMON_ENV[var], default)
             except settings.SettingError as exc:
                 parser.error(f"{exc} (environment variable)")
             setattr(args, dest, int(value) if dest == "nice" else value)
@@ -574,10 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.keep_affinity:
         unpin()
     if args.nice:
-        try:  # a tiny, latency-bound process: let it run first when a worker waits for it
-            os.setpriority(os.PRIO_PROCESS, 0, max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + args.nice)))
-        except OSError as exc:
-            log.info("cannot change the daemon's priority (%s); keeping it", exc)
+        renice(args.nice)
     try:
         daemon = Daemon(args.dir or paths.default_dir(), args.lease, args.align_ms / 1e3, args.idle_exit, args.trace,
                         hello_timeout_s=args.hello_timeout, read_timeout_s=args.read_timeout,

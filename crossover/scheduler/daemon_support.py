@@ -2,7 +2,8 @@
 
 Descriptors: the daemon raises its soft ``RLIMIT_NOFILE`` as far as the hard limit allows (up to what it needs)
 and serves at most ``MAX_CLIENTS`` connections, fewer when the limit is lower, keeping ``FD_RESERVE``
-descriptors free. CPUs: it runs on every CPU it may use, whatever the worker that started it was pinned to.
+descriptors free. CPUs: it runs on every CPU it may use, whatever the worker that started it was pinned to, and
+first where its nice value may be lowered.
 Logs: repetitive lines (refusals, closed connections, accept failures) are rate-limited: a burst, then about
 one line per second, then a count of what was left out, so a flood of hostile connections is not a flood of lines.
 """
@@ -14,7 +15,7 @@ import os
 import resource
 import time
 
-__all__ = ["LogLimiter", "fd_limit_cap", "unpin"]
+__all__ = ["LogLimiter", "fd_limit_cap", "renice", "unpin"]
 
 log = logging.getLogger("crossover.scheduler.daemon")
 
@@ -96,3 +97,12 @@ def unpin() -> None:
         os.sched_setaffinity(0, range(max(os.cpu_count() or 1, _CPU_MASK_BITS)))
     except (AttributeError, OSError) as exc:
         log.info("cannot reset the daemon's CPU affinity (%s); keeping %s", exc, sorted(os.sched_getaffinity(0)))
+
+
+def renice(increment: int) -> None:
+    """Add `increment` to this process's nice value where allowed (a tiny, latency-bound process: a negative one lets
+    it run first when a worker waits for it); kept as it is, with one line, where not."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + increment)))
+    except OSError as exc:
+        log.info("cannot change the daemon's priority (%s); keeping it", exc)
