@@ -45,6 +45,18 @@ def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :3].sum(dim=1, keepdim=True)
 
 
+def _steps(model: torch.nn.Module, opt, steps: int, dtype: torch.dtype = torch.float32) -> None:
+    """`steps` plain training steps on this rank's batches (seeded by the rank)."""
+    import horovod.torch as hvd
+
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+
+
 def _train(kind: str, scaler_scale: float | None, poison: dict) -> dict:
     """GradScaler pattern: backward, synchronize, skip the step if a gradient is inf/NaN, else step."""
     import horovod.torch as hvd
@@ -207,12 +219,7 @@ def _csv_files(tmp: str) -> dict:
     model = _net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
                                    named_parameters=model.named_parameters(), compression=comp)
-    gen = torch.Generator().manual_seed(hvd.rank())
-    for _ in range(40):
-        x, y = _batch(gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    _steps(model, opt, 40)
     with open(own) as fh:
         untouched = fh.read() == "user data\n"
     with open(comp.driver.log.path) as fh:
@@ -254,12 +261,7 @@ def _process_set() -> dict:
         comp = StaticCompression("topk", cf=100, min_compress_numel=1)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
                                        named_parameters=model.named_parameters(), compression=comp, process_set=ps)
-        gen = torch.Generator().manual_seed(hvd.rank())
-        for _ in range(3):
-            x, y = _batch(gen)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        _steps(model, opt, 3)
         out[name] = {"bytes": comp.stats()["bytes_sent"], "world": comp.comm.size()}
     hvd.remove_process_set(odd)
     hvd.remove_process_set(even)
@@ -569,12 +571,7 @@ def _train_logged(log_csv: object, steps: int) -> tuple:
     model = _net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02),
                                    named_parameters=model.named_parameters(), compression=comp)
-    gen = torch.Generator().manual_seed(hvd.rank())
-    for _ in range(steps):
-        x, y = _batch(gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    _steps(model, opt, steps)
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().numpy().tobytes())
@@ -642,12 +639,7 @@ def _dtype_run(make, dtype: torch.dtype, steps: int = 4) -> dict:
     model = _net().to(dtype)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), compression=comp)
-    gen = torch.Generator().manual_seed(hvd.rank())
-    for _ in range(steps):
-        x, y = _batch(gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
-        opt.step()
+    _steps(model, opt, steps, dtype)
     logging.getLogger("horovod_ext").removeHandler(keep)
     st = comp.stats()
     return {"cf": st["compression_factor"], "step": st["step"], "sent": st["bytes_sent"], "dense": st["bytes_dense"],
