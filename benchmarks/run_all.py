@@ -143,13 +143,14 @@ LM_SEEDS = 2
 def lm_task(quick: bool) -> TtaTask:
     """Issue 46's transformer recipe: the small decoder-only byte-level LM (d_model 128, 2 layers, 438 k parameters)
     with crossover-bench's transformer defaults (AdamW lr 0.001, weight decay 0.01, warm-up over 5 % of the steps
-    then cosine to 0, clipping at norm 1), on CPython's documentation text, each method its own job. 120 steps of
-    16 windows of 64 bytes per rank: dense takes about 26 s of training at 100 Mbit/s, and the 10 jobs (2 seeds)
-    about 5 minutes with Horovod's start-up; dense's loss still falls 0.3 % per 10 steps at the end (cosine to 0)."""
+    then cosine to 0, clipping at norm 1), on CPython's documentation text, each method its own job. 100 steps of
+    16 windows of 64 bytes per rank: dense takes 17 to 21 s of training at 100 Mbit/s, and the 10 jobs (2 seeds) took
+    3.9 minutes with Horovod's start-up in the recorded run (reports/benchmarks-lm.md); 120 steps, on a busier
+    machine, were on course for over 7."""
     return TtaTask("tta-lm", "byte-level transformer LM (d_model 128, 2 layers) on CPython's pydoc topics with AdamW, "
-                   "warm-up then cosine, clipping at 1; 120 steps, 2 emulated hosts at 100 Mbit/s, each method its "
+                   "warm-up then cosine, clipping at 1; 100 steps, 2 emulated hosts at 100 Mbit/s, each method its "
                    "own job", ("--model", "transformer", "--dataset", "pydoc", "--eval-samples", "8192"), 2,
-                   "100mbit", ("--epochs", "1", "--max-steps", "6" if quick else "120"), 5,
+                   "100mbit", ("--epochs", "1", "--max-steps", "6" if quick else "100"), 5,
                    repeats=1 if quick else LM_SEEDS, minutes=5,
                    methods=("none", "fp16", "gravac", "topk:10", "powersgd:10"))
 
