@@ -22,7 +22,8 @@ a random walk whose steps come from a small fixed set, so accuracy and perplexit
 (the best reachable perplexity is printed in :attr:`TextData.info`).
 
 Every rank reads a distinct part of the training data (a shared random permutation cut by rank, or a
-contiguous slice of the token stream for text) and all ranks take the same number of steps per epoch.
+contiguous slice of the token stream for text; pydoc's windows are drawn at random by each rank from its own
+seeded generator) and all ranks take the same number of steps per epoch.
 The CIFAR pickles are read with an unpickler that only builds numpy arrays (no other code can run).
 """
 
