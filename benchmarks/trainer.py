@@ -4,7 +4,7 @@ The benchmark CLI (:mod:`benchmarks.cli`) writes the config and starts this modu
 ``horovodrun``, on an emulated cluster, or under the crossover scheduler). Every rank trains on its own
 shard with ``hvd.DistributedOptimizer`` and the chosen compression; evaluation is sharded too and summed
 over ranks. Rank 0 records per step (time, bytes, CF or bits, loss) and per evaluation (accuracy or
-perplexity, training time so far) and writes ``raw.json`` in the output folder, plus a ``progress``
+perplexity and loss, training time so far) and writes ``raw.json`` in the output folder, plus a ``progress``
 file the CLI (and ``make demo``) read for their progress lines (benchmarks/progress.py).
 """
 
@@ -105,7 +105,7 @@ class _Training:
         from .methods import ByteCounter, CompressionOptions, make_compression
         from .models import build_model, count_parameters
         from .optim import build_optimizer
-        from .registry import parse_compression
+        from .registry import metric_of, parse_compression
 
         self.cfg, self.data, self.hvd = cfg, data, hvd
         rank, size = hvd.rank(), hvd.size()
@@ -130,7 +130,8 @@ class _Training:
         self.model = model = build_model(cfg["model"], cfg["dataset"], data.num_classes,
                                          width=float(cfg.get("width", 1.0)), image_size=cfg.get("image_size"),
                                          tie_weights=bool(cfg.get("tie_weights", False)),
-                                         in_channels=None if text else data.shape[0])
+                                         in_channels=None if text else data.shape[0],
+                                         context=int(cfg.get("seq_len") or 35))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         method = parse_compression(cfg["compression"])
         window = cfg.get("gravac_window")
@@ -164,7 +165,7 @@ class _Training:
         self.meta = {"rank0_host": os.environ.get("HOROVOD_HOSTNAME", ""), "size": size,
                      "parameters": count_parameters(model), "gradient_bytes_dense": self.counter.dense_per_step,
                      "steps_per_epoch": per_epoch, "total_steps": total, "data_info": data.info,
-                     "num_classes": data.num_classes, "text": text, "metric": "perplexity" if text else "accuracy",
+                     "num_classes": data.num_classes, "text": text, "metric": metric_of(cfg["model"]),
                      "job": os.environ.get("CROSSOVER_JOB", ""),
                      "gravac_window": window if method.kind == "gravac" else None}
         self.step = 0
@@ -199,7 +200,8 @@ class _Training:
         self.evals.append({"epoch": self.epoch, "step": self.step, "train_s": self.train_s, "wall_s": self.wall_s,
                            "eval_s": took, **res})
         if self.me:
-            metric = f"perplexity {res['perplexity']:.2f}" if self.text else f"accuracy {res['accuracy']:.4f}"
+            metric = (f"loss {res['eval_loss']:.4f}, perplexity {res['perplexity']:.2f}" if self.text
+                      else f"accuracy {res['accuracy']:.4f}")
             log.info("%s epoch %d step %d: %s (train %.1f s)", self.cfg["compression"], self.epoch, self.step,
                      metric, self.train_s)
         self.save(False)
