@@ -104,7 +104,7 @@ def first_reach(evals: Sequence[dict[str, Any]], metric: str, target: float | No
         return None
     pts = _evaluations(evals, metric)
     vals = [float(e[metric]) for _, e in pts]
-    slack = -_ROUNDING if metric == "perplexity" else _ROUNDING
+    slack = -_ROUNDING if lower_is_better(metric) else _ROUNDING
     for i, (_, e) in enumerate(pts):
         if better(metric, statistics.fmean(vals[max(0, i - smooth + 1):i + 1]) + slack, float(target)):
             return e

@@ -162,7 +162,7 @@ def test_the_transformer_is_judged_by_validation_loss_within_2_percent() -> None
 def test_compare_times_each_method_to_dense_loss_plus_2_percent(tmp_path: Path) -> None:
     """Lower is better: a method reaches the target when its loss falls to dense's final loss x 1.02."""
     paths = []
-    for method, losses in (("none", [3.0, 2.2, 2.0, 2.0]), ("fp16", [3.0, 2.3, 2.03, 2.02]),
+    for method, losses in (("none", [3.0, 2.0, 2.0, 2.0]), ("fp16", [3.0, 2.03, 2.03, 2.02]),
                            ("gravac", [3.0, 2.5, 2.3, 2.25])):
         evals = [{"epoch": 1, "step": 10 * (i + 1), "train_s": float(i + 1), "eval_loss": v,
                   "perplexity": math.exp(v)} for i, v in enumerate(losses)]
@@ -176,7 +176,8 @@ def test_compare_times_each_method_to_dense_loss_plus_2_percent(tmp_path: Path) 
         paths.append(out / "results.json")
     rows = {r["method"]: r for r in report.compare(paths, tmp_path / "cmp", judge=None)["rows"]}
     assert rows["none"]["dense_target"] == pytest.approx(2.04)
-    assert rows["none"]["time_to_dense_final_s"] == 3.0 and rows["fp16"]["time_to_dense_final_s"] == 3.0
+    # read on a moving mean of 3 evaluations: reached at the fourth (its mean and the two before it)
+    assert rows["none"]["time_to_dense_final_s"] == 4.0 and rows["fp16"]["time_to_dense_final_s"] == 4.0
     assert rows["gravac"]["time_to_dense_final_s"] is None
     assert rows["gravac"]["final_minus_dense"] > 0
     text = (tmp_path / "cmp" / "compare.md").read_text()
