@@ -200,8 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GraVAC: lowest CF (default: AdaptiveCompression's)")
     c.add_argument("--gravac-cf-max", type=_positive_float, default=None,
                    help="GraVAC: highest CF (default: AdaptiveCompression's)")
-    c.add_argument("--gravac-compressor", choices=registry.STATIC_KINDS, default="topk",
-                   help="GraVAC: compressor it drives (default topk)")
     c.add_argument("--min-compress-numel", type=_positive_int, default=None,
                    help="tensors smaller than this go dense (default: the compression object's, 16384)")
     n = p.add_argument_group("cluster")
@@ -352,7 +350,7 @@ def make_config(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         "warmup": a.warmup, "eval_every": a.eval_every, "target": a.target, "compression": a.compression,
         "label": a.label,
         "gravac_epsilon": a.gravac_epsilon, "gravac_window": a.gravac_window, "gravac_cf_min": a.gravac_cf_min,
-        "gravac_cf_max": a.gravac_cf_max, "gravac_compressor": a.gravac_compressor,
+        "gravac_cf_max": a.gravac_cf_max,
         "min_compress_numel": a.min_compress_numel, "hosts": hosts, "np": hosts * per_host,
         "ranks_per_host": per_host, "bandwidth": a.bandwidth,
         "delay": a.delay, "crossover": a.crossover, "scheduler": a.crossover and not a.no_scheduler, "pin": pin,

@@ -30,7 +30,6 @@ class CompressionOptions:
     gravac_window: int | None = None
     gravac_cf_min: float | None = None
     gravac_cf_max: float | None = None
-    gravac_compressor: str = "topk"
     min_compress_numel: int | None = None
     error_feedback: bool = True
     seed: int = 0
@@ -49,8 +48,8 @@ def make_compression(method: Method, opts: CompressionOptions) -> Any:
         return hvd.Compression.fp16
     common = _given(min_compress_numel=opts.min_compress_numel, seed=opts.seed)
     if method.kind == "gravac":
-        return AdaptiveCompression(opts.gravac_compressor, error_feedback=opts.error_feedback, log_csv=opts.log_csv,
-                                   **common,
+        return AdaptiveCompression(error_feedback=opts.error_feedback, log_csv=opts.log_csv, **common,
+                                   **_given(compressor=method.compressor),
                                    **_given(cf_min=opts.gravac_cf_min, cf_max=opts.gravac_cf_max,
                                             epsilon=opts.gravac_epsilon, window=opts.gravac_window))
     if method.kind == "dqsgd":

@@ -70,10 +70,13 @@ class Method:
 
     kind: str  # none, fp16, topk, randomk, dgc, redsync, powersgd, qsgd, gravac, dqsgd
     value: float | None = None
+    compressor: str | None = None  # gravac's compressor family (gravac:powersgd); None: the library's default
 
     @property
     def label(self) -> str:
-        """The spec as written back (``topk:100``), used as the method's name in reports."""
+        """The spec as written back (``topk:100``, ``gravac:powersgd``), used as the method's name in reports."""
+        if self.compressor is not None:
+            return f"{self.kind}:{self.compressor}"
         if self.value is None:
             return self.kind
         return f"{self.kind}:{self.value:g}"
@@ -82,12 +85,17 @@ class Method:
 STATIC_KINDS = ("topk", "randomk", "dgc", "redsync", "powersgd")
 PLAIN_KINDS = ("none", "fp16", "gravac", "dqsgd")
 COMPRESSION_HELP = ("none, fp16, topk:CF, randomk:CF, dgc:CF, redsync:CF, powersgd:CF (low rank), qsgd:BITS (2..8), "
-                    "gravac, dqsgd")
+                    "gravac (AdaptiveCompression()), gravac:COMPRESSOR (AdaptiveCompression(COMPRESSOR), e.g. "
+                    "gravac:powersgd), dqsgd")
 
 
 def parse_compression(spec: str) -> Method:
     """Parse a ``--compression`` spec; raise ValueError with what to write instead."""
     kind, sep, rest = spec.strip().lower().partition(":")
+    if kind == "gravac" and sep:
+        if rest not in STATIC_KINDS:
+            raise ValueError(f"gravac:COMPRESSOR takes one of {', '.join(STATIC_KINDS)} (got {spec!r})")
+        return Method(kind, compressor=rest)
     if kind in PLAIN_KINDS:
         if sep:
             raise ValueError(f"'{kind}' takes no ':VALUE' (got {spec!r}); tune GraVAC/DQ-SGD with their own "

@@ -138,7 +138,6 @@ class _Training:
         opts = CompressionOptions(total_steps=total, gravac_epsilon=cfg.get("gravac_epsilon"),
                                   gravac_window=None if window is None else int(window),
                                   gravac_cf_min=cfg.get("gravac_cf_min"), gravac_cf_max=cfg.get("gravac_cf_max"),
-                                  gravac_compressor=cfg.get("gravac_compressor", "topk"),
                                   min_compress_numel=cfg.get("min_compress_numel"), seed=self.seed,
                                   log_csv=str(self.out / "policy.csv") if rank == 0 else None)
         self.compression = make_compression(method, opts)

@@ -103,7 +103,7 @@ BAD = [
      "--weight-decay must be >= 0"),
     (["--model", "resnet18", *SYN, "--compression", "topk:0"], "topk:CF needs 1 < CF"),
     (["--model", "resnet18", *SYN, "--compression", "qsgd:99"], "BITS an integer from 2 to 8"),
-    (["--model", "resnet18", *SYN, "--compression", "gravac:5"], "takes no ':VALUE'"),
+    (["--model", "resnet18", *SYN, "--compression", "gravac:5"], "gravac:COMPRESSOR takes one of"),
     (["--model", "resnet18", *SYN, "--compression", "lz4"], "unknown compression 'lz4'"),
     (["--model", "lstm", *SYN], "use --dataset ptb"),
     (["--model", "resnet18", "--dataset", "ptb", "--data", "synthetic"], "use --model lstm"),
@@ -139,6 +139,18 @@ def test_bad_arguments_exit_2_with_a_message(capsys: pytest.CaptureFixture[str],
         assert message in err
     else:
         assert "--bandwidth" in err
+
+
+def test_gravac_names_its_compressor_family_in_the_spec() -> None:
+    """One name per method: `gravac:powersgd` is AdaptiveCompression("powersgd") (it replaced --gravac-compressor)."""
+    from benchmarks.registry import parse_compression
+
+    m = parse_compression("gravac:powersgd")
+    assert (m.kind, m.compressor, m.label) == ("gravac", "powersgd", "gravac:powersgd")
+    assert parse_compression("gravac").compressor is None and parse_compression("gravac").label == "gravac"
+    assert cli.method_dir("gravac:powersgd") == "gravacpowersgd"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--model", "mlp", "--dataset", "digits", "--gravac-compressor", "powersgd"])
 
 
 def test_missing_data_files_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
