@@ -85,6 +85,7 @@ class TFHookBase(metaclass=CompressionType):
     """Plan-per-step plumbing shared by the sparsifying and the quantizing TF compressions."""
 
     _plan_len = 1
+    _passthrough_all = False  # compression off (enabled=False): Horovod's dense path, only bytes are counted
 
     def __init__(self, *, min_compress_numel: int, error_feedback: bool, seed: int) -> None:
         check_built_outside_function(self)
@@ -160,6 +161,36 @@ class TFHookBase(metaclass=CompressionType):
         return entry["plan"], key
 
     def _rt_begin(self) -> np.ndarray:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ Horovod interface (traced)
+    @tf.autograph.experimental.do_not_convert
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """Called by Horovod per gradient while tracing; returns the tensor to allreduce and a context."""
+        in_cond, op = hook_context(self)
+        check_op(op)
+        if isinstance(tensor, tf.IndexedSlices):  # Horovod allgathers these itself; never compressed
+            return tensor, None
+        if self._passthrough_all:  # compression off: only count bytes (no plan, no step bookkeeping)
+            return self._passthrough(tensor, None)
+        plan, key = self._plan(in_cond)
+        numel = tensor.shape.num_elements()
+        if tensor.dtype != tf.float32 or numel is None or numel < self.min_compress_numel:
+            return self._passthrough(tensor, plan)
+        return self._compress_float(tensor, plan, key, numel)
+
+    def _compress_float(self, tensor: tf.Tensor, plan: tf.Tensor, key: str, numel: int) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    @tf.autograph.experimental.do_not_convert
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Called by Horovod (traced) with the reduced payload; returns the averaged gradient."""
+        if ctx is None:
+            self._mark_decompressed()
+            return tensor
+        return self._decompress_payload(tensor, ctx)
+
+    def _decompress_payload(self, tensor: Any, ctx: Any) -> Any:
         raise NotImplementedError
 
     def _passthrough(self, tensor: Any, plan: tf.Tensor | None) -> tuple[Any, None]:

@@ -193,21 +193,6 @@ class _SparseCompression(TFHookBase):
             return np.array([send, floor, cand, float(drv.step), drv.last_step_time], np.float64)
 
     # ------------------------------------------------------------------ Horovod interface (traced)
-    @tf.autograph.experimental.do_not_convert
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        """Called by Horovod per gradient while tracing; returns the tensor to allreduce and a context."""
-        in_cond, op = hook_context(self)
-        check_op(op)
-        if isinstance(tensor, tf.IndexedSlices):  # Horovod allgathers these itself; never compressed
-            return tensor, None
-        if self._passthrough_all:  # compression off: only count bytes (no plan, no step bookkeeping)
-            return self._passthrough(tensor, None)
-        plan, key = self._plan(in_cond)
-        numel = tensor.shape.num_elements()
-        if tensor.dtype != tf.float32 or numel is None or numel < self.min_compress_numel:
-            return self._passthrough(tensor, plan)
-        return self._compress_float(tensor, plan, key, numel)
-
     def _compress_float(self, tensor: tf.Tensor, plan: tf.Tensor, key: str, numel: int) -> tuple[Any, Any]:
         world = hvd.size()
         send, floor, cand = plan[0], plan[1], plan[2]
@@ -280,12 +265,7 @@ class _SparseCompression(TFHookBase):
                    k=tf.minimum(k_send, numel), bitmap=bitmap, sent_bytes=sent, dense_bytes=float(numel * 4))
         return payload, ctx
 
-    @tf.autograph.experimental.do_not_convert
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        """Called by Horovod (traced) with the reduced payload; returns the averaged gradient."""
-        if ctx is None:
-            self._mark_decompressed()
-            return tensor
+    def _decompress_payload(self, tensor: Any, ctx: Any) -> Any:
         world = hvd.size()
         stats = tf.cast(tensor[-_LAYOUT.length:], tf.float64)
         scale = stats[0]  # 1 for Average, world size for Sum (times any pre/postscale)

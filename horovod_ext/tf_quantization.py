@@ -32,7 +32,7 @@ from crossover.compression import cost_model
 from crossover.compression.wire import shared_seed
 from crossover.driver import QuantStepDriver, dqsgd_settings, lr_at
 from crossover.driver.transport import check_quant_transport, quant_route
-from horovod_ext._tf_host import TFHookBase, check_op, hook_context, safe_name
+from horovod_ext._tf_host import TFHookBase, safe_name
 
 __all__ = ["DqsgdCompression", "QSGDCompression", "pack_codes", "unpack_codes"]
 
@@ -114,19 +114,6 @@ class _QuantizedBase(TFHookBase):
             return np.array([float(bits), float(drv.step)], np.float64)
 
     # ------------------------------------------------------------------ Horovod interface (traced)
-    @tf.autograph.experimental.do_not_convert
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        """Called by Horovod per gradient while tracing; returns the tensor to allreduce and a context."""
-        in_cond, op = hook_context(self)
-        check_op(op)
-        if isinstance(tensor, tf.IndexedSlices):
-            return tensor, None
-        plan, key = self._plan(in_cond)
-        numel = tensor.shape.num_elements()
-        if tensor.dtype != tf.float32 or numel is None or numel < self.min_compress_numel:
-            return self._passthrough(tensor, plan)
-        return self._compress_float(tensor, plan, key, numel)
-
     def _compress_float(self, tensor: tf.Tensor, plan: tf.Tensor, key: str, numel: int) -> tuple[Any, Any]:
         world, rank = hvd.size(), hvd.rank()
         bits = tf.cast(plan[0], tf.int32)
@@ -168,12 +155,7 @@ class _QuantizedBase(TFHookBase):
         return payload, _QCtx(kind=kind, numel=numel, shape=tensor.shape, bits=bits, levels=s_int,
                               gathered=gathered, sent_bytes=sent)
 
-    @tf.autograph.experimental.do_not_convert
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        """Called by Horovod (traced) with the reduced payload; returns the averaged gradient."""
-        if ctx is None:
-            self._mark_decompressed()
-            return tensor
+    def _decompress_payload(self, tensor: Any, ctx: Any) -> Any:
         world = hvd.size()
         stats = tf.cast(tensor[-2:], tf.float64)
         scale_back = stats[0]  # 1 for Average, world size for Sum
