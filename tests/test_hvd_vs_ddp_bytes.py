@@ -79,6 +79,8 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
     import horovod.torch.optimizer as hopt
 
     from crossover import StaticCompression
+    from crossover.compression.wire import k_for
+    from horovod_ext._torch_host import SMALL_KEY
 
     model = _cnn()
     comp = StaticCompression("topk", cf=cf)
@@ -91,13 +93,30 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
                        ("alltoall_async", "alltoall")):  # the glue's own (horovod_ext/_torch_host.py)
         counter.wrap(hvd, attr, kind, 0)
 
+    small = [p for p in model.parameters() if p.numel() < 16384]
+    check: dict[str, Any] = {}
+
     def step(s: int) -> None:
         x, y = _batch(s, hvd.rank())
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        if s:
+            opt.step()
+            return
+        # the first step: the small tensors' gradients are the average of what each rank sent of their flat
+        # bucket (registration order), which error feedback tells: its gradient less the residual it kept
+        flat = torch.cat([p.grad.reshape(-1) for p in small])
+        opt.synchronize()
+        res = comp.codec.memory.get(SMALL_KEY)
+        sent = flat - res
+        want = hvd.allreduce(sent, op=hvd.Average, name="test.want")
+        got = torch.cat([p.grad.reshape(-1) for p in small])
+        check.update(numel=flat.numel(), nonzero=int((sent != 0).sum()), k=k_for(flat.numel(), cf),
+                     err=float((got - want).abs().max()), scale=float(want.abs().max()))
+        with opt.skip_synchronize():
+            opt.step()
 
-    return _train(step, comp.stats, counter)
+    return [check, *_train(step, comp.stats, counter)]
 
 
 def ddp_job(cf: float) -> list[dict[str, Any]]:
@@ -125,8 +144,11 @@ def ddp_job(cf: float) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("cf", [10.0, 100.0])
 def test_horovod_sends_no_more_than_the_ddp_hook(cf: float) -> None:
-    hvd = run_function(hvd_job, np=2, args=(cf,), timeout=300)[0]
+    check, *hvd = run_function(hvd_job, np=2, args=(cf,), timeout=300)[0]
     ddp = run_ddp(ddp_job, world=2, args=(cf,), timeout=300)[0]
+    # the small tensors went compressed, as one bucket, and decode to the average of what the ranks sent
+    assert check["numel"] == 3210 and 0 < check["nonzero"] <= check["k"], check
+    assert check["err"] <= 1e-6 * check["scale"], check
     # DDP rebuilds its buckets after the first step: compare the steps after it
     for s in range(1, STEPS):
         h, d = hvd[s], ddp[s]
