@@ -3,6 +3,7 @@
     python -m benchmarks.bench_breakdown                      # 2 emulated hosts at 300 Mbit/s (root), small CNN
     python -m benchmarks.bench_breakdown --model mlp --rate 1gbit --rounds 20
     python -m benchmarks.bench_breakdown --no-netem           # plain loopback via horovodrun (no root)
+    python -m benchmarks.bench_breakdown --own-jobs --model cnn,cnn-large,mlp --methods compute,hvd-topk:10,...
 
 Every method trains the same model from the same weights on the same batches in the same two processes (one
 per emulated host): each process runs Horovod and torch.distributed (Gloo) side by side, so the Horovod path
@@ -33,6 +34,17 @@ attribution pass (a few steps per method) counts per step the collectives submit
 and those that ran after Horovod's fusion, their bytes, Horovod's negotiation time and cycles (from
 Horovod's timeline, rank 0), and the bytes each host sent on its link. The Horovod counts come from a second,
 short job: with HOROVOD_TIMELINE=DYNAMIC set Horovod spends CPU all along, so the timed job runs without it.
+
+--own-jobs (issue 43): each method runs as its own job instead, as users run them: fresh processes, its own
+warm-up, only its own framework initialised (a DDP job never starts Horovod), its steps back to back; the same
+columns, per model of --model (a comma-separated list there). A user's wall clock counts what the step's own
+clock does not (the loop between steps): column "wall", the timed steps' elapsed time over their number. The
+attribution pass stays one job per model (counts per step, not times). The two modes differ: rotating, every
+method shares two processes that run Horovod's background thread all along (its cycles poll during the DDP
+methods' turns too), Horovod's caches and the allocator hold every method's tensors, and each round's blocks run
+back to back, so that a drift of the shared machine cancels in the per-round ratios; own jobs, every job starts
+cold, and two methods' blocks of the same position ran minutes apart, so their "per-round" ratios pair blocks by
+position in the run, and drift of the machine between jobs stays in them.
 
 The ratios of the issue's targets are taken round by round (the medians of the two methods' blocks in the
 same round) and summarised by their median, min and max over the rounds. --md writes the whole report as
@@ -71,10 +83,20 @@ BOOTSTRAP_RESAMPLES = 2000  # enough for the 5th and 95th percentiles of the med
 # --------------------------------------------------------------------------- workload
 
 
+MODELS = {"cnn": "small CNN (conv 16, conv 32, fc 256, fc 10) on MNIST-like synthetic images",
+          "cnn-large": "CNN of issue 43 (conv 32, conv 64, fc 1600-256, fc 256-10) on MNIST-like synthetic images",
+          "mlp": "digits MLP 64-512-512-10"}
+
+
 def build_model(name: str) -> Any:
-    """The small CNN (28x28x1 inputs, ~420 k parameters, most in one fully connected layer) or the digits MLP."""
+    """The small CNN (28x28x1 inputs, ~420 k parameters, most in one fully connected layer), the larger CNN of
+    issue 43 (3x3 convolutions without padding, ~431 k parameters) or the digits MLP."""
     from torch import nn
 
+    if name == "cnn-large":
+        return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 5 * 5, 256), nn.ReLU(),
+                             nn.Linear(256, 10))
     if name == "cnn":
         return nn.Sequential(nn.Conv2d(1, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(16, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
@@ -84,7 +106,7 @@ def build_model(name: str) -> Any:
 
 
 def make_data(name: str, n: int, seed: int) -> tuple[Any, Any]:
-    """Learnable data of the model's shape: the digits set (mlp), or 10 class templates plus noise (cnn)."""
+    """Learnable data of the model's shape: the digits set (mlp), or 10 class templates plus noise (the CNNs)."""
     import torch
 
     if name == "mlp":
@@ -172,6 +194,7 @@ class Method:
         self.blocks: list[tuple[int, int]] = []  # (first record, end) of each timed block, in rounds
         self.settled: list[float | None] = []  # the adaptive policy's settled CF at each timed step
         self.wire: list[tuple[int, int]] = []  # (tx bytes, steps) per timed block
+        self.walls: list[float] = []  # elapsed seconds of each timed block (a user's wall clock)
         self._own, self._since = 0.0, None  # seconds in this method's finished steps; start of the one running
         self.model = model
         if name == "compute":
@@ -401,17 +424,19 @@ def _clusters(starts: set[int], gap_us: int = 20) -> int:
 
 
 def worker(cfg: dict[str, Any]) -> None:
-    import horovod.torch as hvd
     import torch
     import torch.distributed as dist
 
-    hvd.init()
-    torch.set_num_threads(1)
-    os.environ.setdefault("RANK", str(hvd.rank()))
-    os.environ.setdefault("WORLD_SIZE", str(hvd.size()))
-    dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
-    rank = hvd.rank()
     names = cfg["methods"]
+    rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])  # both launchers set them
+    if any(n.startswith("hvd-") for n in names):  # a job without a Horovod method never starts Horovod (--own-jobs)
+        import horovod.torch as hvd
+
+        hvd.init()
+    torch.set_num_threads(1)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(size))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
     _time_agreement()
     x_all, y_all = make_data(cfg["model"], 5000, cfg["seed"])
     batch = cfg["batch"]
@@ -424,11 +449,11 @@ def worker(cfg: dict[str, Any]) -> None:
     offset = [0]
 
     def batch_at(i: int) -> tuple[Any, Any]:
-        n = x_all.shape[0] // (batch * hvd.size())
-        j = (i % n) * batch * hvd.size() + rank * batch
+        n = x_all.shape[0] // (batch * size)
+        j = (i % n) * batch * size + rank * batch
         return x_all[j:j + batch], y_all[j:j + batch]
 
-    hvd.allreduce(torch.zeros(1), name="bench.ready")
+    dist.barrier()
     for i in range(cfg["warmup"]):  # every method warms up (and the adaptive ones search) before the rounds
         for m in methods:
             m.step(*batch_at(i), record=False)
@@ -436,7 +461,7 @@ def worker(cfg: dict[str, Any]) -> None:
     if cfg["timeline"]:  # the attribution job: Horovod's timeline costs CPU all along, so it has a job of its own
         _timeline_pass(cfg, methods, batch_at, offset[0], rank)
     else:
-        _timed(cfg, methods, batch_at, offset, rank, nparams)
+        _timed(cfg, methods, batch_at, offset, rank, size, nparams)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -466,19 +491,19 @@ def _timeline_pass(cfg: dict[str, Any], methods: list[Method], batch_at: Any, of
         Path(cfg["result"]).write_text(json.dumps(attrib))
 
 
-def _timed(cfg: dict[str, Any], methods: list[Method], batch_at: Any, offset: list[int], rank: int,
+def _timed(cfg: dict[str, Any], methods: list[Method], batch_at: Any, offset: list[int], rank: int, size: int,
            nparams: int) -> None:
     """The timed rounds, then the DDP methods' collectives counted (a few steps each)."""
-    import horovod.torch as hvd
-
     rounds = cfg["rounds"]
     for r in range(rounds):
         k = r % len(methods)
         for m in methods[k:] + methods[:k]:
             first = len(m.records)
             tx = _wire_tx()
+            t0 = time.perf_counter()
             for s in range(cfg["block"]):
                 m.step(*batch_at(offset[0] + s), record=True)
+            m.walls.append(time.perf_counter() - t0)
             m.wire.append((_wire_tx() - tx, cfg["block"]))
             m.blocks.append((first, len(m.records)))
         offset[0] += cfg["block"]
@@ -491,11 +516,11 @@ def _timed(cfg: dict[str, Any], methods: list[Method], batch_at: Any, offset: li
                     m.step(*batch_at(offset[0] + s), record=False)
             attrib[m.name] = {"dist": {"calls": dict(c.calls), "bytes": dict(c.bytes)}, "steps": steps}
     if rank == 0:
-        out = {"params": nparams, "size": hvd.size(), "methods": {}}
+        out = {"params": nparams, "size": size, "methods": {}}
         for m in methods:
             st = m.comp.stats() if hasattr(m.comp, "stats") else (m.state.stats() if m.state is not None else {})
             out["methods"][m.name] = {
-                "records": m.records, "blocks": m.blocks, "settled": m.settled, "wire": m.wire,
+                "records": m.records, "blocks": m.blocks, "settled": m.settled, "wire": m.wire, "walls": m.walls,
                 "attrib": attrib.get(m.name), "stats": {k: v for k, v in st.items() if k != "policy"},
             }
         Path(cfg["result"]).write_text(json.dumps(out))
@@ -522,6 +547,7 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
         tx = sum(b for b, _ in m["wire"])
         n = sum(s for _, s in m["wire"])
         row["wire_bytes_per_step"] = tx / n if n else None
+        row["wall"] = sum(m.get("walls", ())) / n if n and m.get("walls") else None
         st = m.get("stats") or {}
         row["bytes_sent_per_step"] = None
         if st.get("bytes_sent") is not None and st.get("step"):
@@ -545,8 +571,12 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
                 row["collective_bytes"] = {op: v / k for op, v in a["dist"]["bytes"].items()}
         rows[name] = row
     targets = []
-    for title, num, den, bound in TARGETS:
-        a_name, b_name = num.format(cf=_g(cf)), den.format(cf=_g(cf))
+    # the first target at every CF with both methods in the run (CF 10 and CF 100 side by side), the others at `cf`
+    cfs = sorted({float(n.split(":")[1]) for n in res["methods"] if n.startswith("hvd-topk:") and "/" not in n
+                  and f"ddp-topk:{n.split(':')[1]}" in res["methods"]} | {cf})
+    expanded = [(*TARGETS[0], c) for c in cfs] + [(*t, cf) for t in TARGETS[1:]]
+    for title, num, den, bound, at in expanded:
+        a_name, b_name = num.format(cf=_g(at)), den.format(cf=_g(at))
         settled_only = "@" in a_name
         if settled_only:
             base = a_name.split("@")[0]
@@ -569,6 +599,8 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
              "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None, "rounds": len(ratios),
              "of_medians": _of_medians(res["methods"][a_name], res["methods"][b_name], settled_only),
              "ci": median_ci(ratios)}
+        wa, wb = rows[a_name].get("wall"), rows[b_name].get("wall")
+        t["wall"] = wa / wb if wa and wb else None  # the ratio a user's wall clock gives
         if t["ratio"] is not None:
             t["pass"] = t["ratio"] <= bound
         targets.append(t)
@@ -614,38 +646,54 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = summary["rows"]
     ms = lambda v: "-" if v is None or v != v else f"{1000 * v:.2f}"  # noqa: E731
     lines = [
-        "# Horovod path vs DDP hook: per-step breakdown",
+        "# Horovod path vs DDP hook: per-step breakdown" + (f" ({meta['model']}, each method its own job)"
+                                                            if meta.get("own_jobs") else ""),
         "",
         "Generated by `" + meta["command"] + "`; every figure below comes from that one run "
         f"({meta['date']}, commit {meta['commit']}, load average {meta['load']:.2f} at the start).",
         "",
         f"- workload: {meta['model_desc']}, {meta['params'] / 1e3:.0f} k parameters, batch {meta['batch']} per rank, "
         f"{meta['size']} ranks, link {meta['rate']}",
-        f"- {meta['rounds']} rounds; in each, every method runs {meta['block']} steps, in an order that rotates every "
-        f"round; {meta['warmup']} warm-up steps per method before (not timed)",
+        (f"- each method its own job (--own-jobs): {meta['warmup']} warm-up steps (not timed), then "
+         f"{meta['rounds']} blocks of {meta['block']} steps back to back; a 'round' below pairs the blocks of the same "
+         "position in the two methods' jobs, which ran at different times"
+         if meta.get("own_jobs") else
+         f"- {meta['rounds']} rounds; in each, every method runs {meta['block']} steps, in an order that rotates every "
+         f"round; {meta['warmup']} warm-up steps per method before (not timed)"),
         "- a shared machine: absolute times move with its load; ratios are taken round by round "
         "(median of the rounds, min and max in brackets)",
+        *(["- why this differs from the rotating mode (one job, methods taking turns): there every method shares "
+           "two processes that run Horovod's background thread all along (its cycles poll during the DDP methods' "
+           "turns too), Horovod's caches and the allocator hold every method's tensors, and a round's blocks run "
+           "back to back, so machine drift cancels in its ratios; here every job starts cold and alone (a DDP job "
+           "never starts Horovod), and drift between jobs stays in the ratios. Wall: what a user's clock counts"]
+          if meta.get("own_jobs") else []),
         "",
-        "## Targets (issue 30)",
+        "## Targets (issues 30 and 43)",
         "",
-        "The verdict reads the median of the per-round ratios (each round's two blocks ran back to back, so the "
-        f"machine's drift cancels). Beside it: a {CI_LEVEL:.0%} bootstrap interval of that median (where it "
+        ("The verdict reads the median of the per-round ratios (here a 'round' pairs the blocks of the same position "
+         "in two jobs that ran at different times: drift of the machine between them stays in). Beside it:"
+         if meta.get("own_jobs") else
+         "The verdict reads the median of the per-round ratios (each round's two blocks ran back to back, so the "
+         "machine's drift cancels). Beside it:") + f" a {CI_LEVEL:.0%} bootstrap interval of that median (where it "
         "contains the bound, this run cannot tell the two apart at that bound), and the ratio of the two whole-run "
-        "medians.",
+        "medians; wall ratio: of the two methods' wall clock per step (column wall below).",
         "",
         f"| target | A / B | median ratio [min, max] over rounds | {CI_LEVEL:.0%} interval | ratio of medians "
-        "| bound | |",
-        "|---|---|---|---|---|---|---|",
+        "| wall ratio | bound | |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for t in summary["targets"]:
         if t["ratio"] is None:
-            lines.append(f"| {t['target']} | {t['a']} | {t.get('note', 'no rounds')} | - | - | {t['bound']:.2f}x | - |")
+            lines.append(f"| {t['target']} | {t['a']} | {t.get('note', 'no rounds')} | - | - | - | {t['bound']:.2f}x "
+                         "| - |")
             continue
         verdict = "PASS" if t["pass"] else "FAIL"
         om = "-" if t.get("of_medians") is None else f"{t['of_medians']:.3f}x"
         ci = "-" if t.get("ci") is None else f"[{t['ci'][0]:.3f}, {t['ci'][1]:.3f}]"
+        wall = "-" if t.get("wall") is None else f"{t['wall']:.3f}x"
         lines.append(f"| {t['target']} | {t['a']} / {t['b']} | {t['ratio']:.3f}x [{t['min']:.3f}, {t['max']:.3f}] "
-                     f"({t['rounds']} rounds) | {ci} | {om} | {t['bound']:.2f}x | {verdict} |")
+                     f"({t['rounds']} rounds) | {ci} | {om} | {wall} | {t['bound']:.2f}x | {verdict} |")
     lines += [
         "",
         "## Median step and its phases (ms)",
@@ -657,15 +705,17 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "compress (Horovod: the glue's `compress` over all tensors; DDP: the hook bodies, collectives issued), "
         "encode (the codec's part), decompress (Horovod: the glue's; DDP: the decode callbacks), decode (the "
         "codec's part, with its wait for the allgather) and the policy (the step driver). Each column is its own "
-        "median over the steps, so the columns do not add up to the step.",
+        "median over the steps, so the columns do not add up to the step. Wall: the timed blocks' elapsed time "
+        "over their steps (a user's wall clock: a mean, with the loop between steps).",
         "",
-        "| method | step | beyond compute | cpu | fwd | bwd | wait | opt | compress | encode | decompress | decode "
-        "| policy | agree | settled CF |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | step | wall | beyond compute | cpu | fwd | bwd | wait | opt | compress | encode | decompress "
+        "| decode | policy | agree | settled CF |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         settled = f"{r['settled_cf']:g} ({r['settled_steps']} steps)" if "settled_cf" in r else ""
-        cells = [ms(r["step"]), ms(r["beyond"]) if name != "compute" else "-"] + [ms(r[p]) for p in PHASES[1:]]
+        cells = [ms(r["step"]), ms(r.get("wall")), ms(r["beyond"]) if name != "compute" else "-"] + [
+            ms(r[p]) for p in PHASES[1:]]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {settled} |")
     agree = [f"{name} {ms(r['agree'])} ms ({100 * r['agree'] / r['step']:.2f} %)" for name, r in rows.items()
              if r.get("agree") and r["step"]]
@@ -717,8 +767,7 @@ def _meta(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "load": os.getloadavg()[0], "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
             "batch": args.batch, "rate": "loopback (unshaped)" if args.no_netem else args.rate,
-            "model_desc": {"cnn": "small CNN (conv 16, conv 32, fc 256, fc 10) on MNIST-like synthetic images",
-                           "mlp": "digits MLP 64-512-512-10"}[args.model]}
+            "own_jobs": args.own_jobs}
 
 
 def _job(args: argparse.Namespace, cfg: dict[str, Any], extra_env: dict[str, str]) -> str:
@@ -747,16 +796,23 @@ def _job(args: argparse.Namespace, cfg: dict[str, Any], extra_env: dict[str, str
     return result.read_text()
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+def run(args: argparse.Namespace, argv: list[str], model: str) -> dict[str, Any]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    meta = _meta(args, argv)
+    meta = dict(_meta(args, argv), model=model, model_desc=MODELS[model])
     with tempfile.TemporaryDirectory(prefix="bench-breakdown-") as tmp:
         os.chmod(tmp, 0o755)
-        cfg = {"methods": methods, "model": args.model, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        cfg = {"methods": methods, "model": model, "batch": args.batch, "lr": args.lr, "seed": args.seed,
                "warmup": args.warmup, "rounds": args.rounds, "block": args.block, "cf": args.cf,
                "attrib_steps": args.attrib_steps, "timeline_dir": args.timelines or tmp, "timeline": False,
                "result": str(Path(tmp) / "result.json")}
-        res = json.loads(_job(args, cfg, {}))
+        if args.own_jobs:  # one fresh job per method, as users run them; the same records merged
+            res: dict[str, Any] = {"methods": {}}
+            for name in methods:
+                one = json.loads(_job(args, dict(cfg, methods=[name]), {}))
+                res.update(params=one["params"], size=one["size"])
+                res["methods"].update(one["methods"])
+        else:
+            res = json.loads(_job(args, cfg, {}))
         hvd_methods = [m for m in methods if m.startswith("hvd-")]
         if hvd_methods and not args.no_timeline:  # a second job: Horovod records only between start and stop
             tl = dict(cfg, methods=hvd_methods, warmup=min(args.warmup, 30), timeline=True,
@@ -772,8 +828,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated (see below; default %(default)s)")
-    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
-                   help="cnn: small CNN on MNIST-like images (default); mlp: the digits MLP")
+    p.add_argument("--model", default="cnn",
+                   help="cnn: small CNN on MNIST-like images (default); cnn-large: the CNN of issue 43; mlp: the "
+                   "digits MLP; with --own-jobs a comma-separated list (one section each)")
+    p.add_argument("--own-jobs", action="store_true",
+                   help="each method its own job (fresh processes, its own warm-up), as users run them")
     p.add_argument("--cf", type=float, default=100.0, help="the CF the targets compare at (default 100)")
     p.add_argument("--batch", type=int, default=32, help="batch per rank (default 32)")
     p.add_argument("--lr", type=float, default=0.05)
@@ -801,8 +860,12 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     argv = list(sys.argv[1:] if argv is None else argv)
-    out = run(args, argv)
-    text = format_report(out["summary"], out["meta"])
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    if not models or any(m not in MODELS for m in models) or (len(models) > 1 and not args.own_jobs):
+        p.error(f"--model: one of {', '.join(MODELS)} (a comma-separated list with --own-jobs), got {args.model!r}")
+    outs = [run(args, argv, m) for m in models]
+    text = "\n".join(format_report(o["summary"], o["meta"]) for o in outs)
+    out = outs[0] if len(outs) == 1 else {"runs": outs}
     print(text)
     if args.md:
         path = REPO / args.md if not os.path.isabs(args.md) else Path(args.md)
