@@ -128,7 +128,7 @@ def train_side_by_side(seed: int, methods: list[str], *, epochs: int = 20, lr: f
         st = comps["gravac"].stats()
         out["gravac"]["max_cf"] = st.get("max_cf")
         out["gravac"]["last_cf"] = st.get("compression_factor")
-        # the cap holds from the first step but for the first search's one window above it (for predictions)
+        # the cap holds from the first step
         cap = st.get("max_cf", math.inf)
         out["gravac"]["steps_above_cap"] = [i for i, cf in enumerate(sent) if cf > cap]
     return out

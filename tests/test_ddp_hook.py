@@ -364,8 +364,7 @@ def job_digits_defaults(epochs: int, hidden: int) -> dict:
 def test_defaults_compress_10x_within_a_point_on_a_slow_link():
     """`AdaptiveState(momentum=...)` as the README shows it, two ranks sharing an emulated 100 Mbit/s medium (a
     shaped namespace; root needed): compression pays there, so the defaults must find it. Unset, the momentum is
-    taken as 0.9: after the first search's one window above the cap (for predictions, at most 8 steps) no step goes
-    above CF 10, and CF 10 is still found."""
+    taken as 0.9: no step goes above CF 10, and CF 10 is still found."""
     from benchmarks import netem
 
     reason = netem.netem_unavailable_reason()
@@ -379,9 +378,7 @@ def test_defaults_compress_10x_within_a_point_on_a_slow_link():
         assert ours["stats"]["bytes_dense"] >= 10 * ours["stats"]["bytes_sent"], ours["stats"]
     assert res[0]["trace"] == res[1]["trace"]  # every rank decided the same on every step
     unset = res[0]["unset_trace"]
-    above = [i for i, cf in enumerate(unset) if cf > 10.0]
-    assert unset == res[1]["unset_trace"] and above == list(range(len(above))) and len(above) <= 8
-    assert max(unset[len(above):]) == 10.0
+    assert unset == res[1]["unset_trace"] and max(unset) == 10.0
 
 
 def test_resumed_run_continues_the_same_schedule():

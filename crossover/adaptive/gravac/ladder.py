@@ -113,10 +113,8 @@ class LadderSearch:
             i = top
         else:
             i = max(j for j, cf in enumerate(self.rungs[:top + 1]) if cf <= self._start_cf * (1.0 + 1e-9))
-        if i == top:
+        if i == top:  # under a momentum cap: from the cap, never above it (one window above cost 4 % of an LM's loss)
             self._start_search(i, -1, why="first search, from the top")
-            if top + 1 < len(self.rungs):
-                self._probe_above_cap(top + 1)
         else:
             self._start_search(i, +1, turn_down=True, why="first search, from start_cf")
 
@@ -139,15 +137,6 @@ class LadderSearch:
         s.tie = None
         log.info("step %d: search %d (%s): trying CF %g, walking %s", self.step, s.searches, why,
                  self.rungs[rung], "down" if direction < 0 else "up")
-        self._try(self.rungs[rung])
-
-    def _probe_above_cap(self, rung: int) -> None:
-        """Under a momentum cap, time the rung above it first, for predictions only (never chosen): with a single
-        compressed rung nothing predicts dense, whose trial is the dearest on a slow link; one window of the next
-        rung up is cheaper there, and it absorbs the process's warm-up steps. The residual those steps leave is
-        delivered at the capped CF within a few steps (measured in docs/accuracy.md: no accuracy cost that 9 seeds
-        of the MNIST CNN could show)."""
-        log.info("step %d: timing CF %g above the cap first, for predictions only", self.step, self.rungs[rung])
         self._try(self.rungs[rung])
 
     def _try(self, cf: float) -> None:
@@ -283,7 +272,7 @@ class LadderSearch:
             self._tie_window(tr.cf, passes)
             return
         i = self.rungs.index(tr.cf)
-        if i > s.top:  # timed above the cap for predictions (_probe_above_cap): the search starts at the cap
+        if i > s.top:  # a trial above the cap (restored from an older state): the search starts at the cap
             self._try(self.rungs[s.top])
             return
         if tr.cf == DENSE and rec.rate * SKIP_MARGIN * (1.0 + self._omega) < s.best_rate:

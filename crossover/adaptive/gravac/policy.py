@@ -181,9 +181,8 @@ class GravacPolicy:
     def expect_momentum(self) -> None:
         """The host reports the optimizer's momentum in every step's statistics (the step drivers do). It arrives
         one step late, after the first plans: until then the ladder is capped at cf_min, the cap of the commonest
-        momentum (0.9); its first search times the rung above the cap for one window, for predictions only. The
-        first statistics then set the cap (no momentum: the whole ladder, searched from its top). Only before the
-        first observation."""
+        momentum (0.9), and its first search starts there. The first statistics then set the cap (no momentum: the
+        whole ladder, searched from its top). Only before the first observation."""
         search = self._search
         if not isinstance(search, LadderSearch) or self._step > 0 or self._momentum is not None:
             return
