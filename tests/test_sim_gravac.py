@@ -61,8 +61,9 @@ def test_tiny_run_writes_json_and_markdown(tmp_path: Path) -> None:
     runs = data["runs"]["mlp1@100mbit"]
     assert set(runs) == {"dense", "fp16", "topk:10", "topk:100", "topk:1000", "gravac", "old"}
     gravac = runs["gravac"][0]
-    # the first search times the rung above cf_min (the cap until the momentum is in, here 0), then the whole ladder
-    assert len(gravac["times"]) == 12 and gravac["cf_runs"][0][0] == 100.0
+    # the first search starts at cf_min (the cap until the momentum is in, here 0), then the whole ladder
+    assert len(gravac["times"]) == 12 and gravac["cf_runs"][0][0] == 10.0
+    assert max(cf for cf, _ in gravac["cf_runs"]) == 100.0
     assert runs["dense"][0]["bytes_ratio"] == pytest.approx(1.0, rel=1e-3)
     assert runs["topk:100"][0]["bytes_ratio"] > 10
     assert runs["fp16"][0]["bytes_ratio"] == pytest.approx(2.0, rel=1e-3)

@@ -375,11 +375,13 @@ def test_synthetic_text_has_a_known_floor() -> None:
 
 def test_registry_parses_compression_specs() -> None:
     ok = {"none": "none", "fp16": "fp16", "topk:100": "topk:100", "randomk:10": "randomk:10", "dgc:1000": "dgc:1000",
-          "qsgd:4": "qsgd:4", "gravac": "gravac", "dqsgd": "dqsgd", "TopK:2.5": "topk:2.5"}
+          "qsgd:4": "qsgd:4", "gravac": "gravac", "dqsgd": "dqsgd", "TopK:2.5": "topk:2.5",
+          "gravac:powersgd": "gravac:powersgd"}
     for spec, label in ok.items():
         assert registry.parse_compression(spec).label == label
     for bad, msg in {"topk:0": "1 < CF", "topk": "needs a compression factor", "qsgd:99": "from 2 to 8",
-                     "qsgd:x": "from 2 to 8", "gravac:3": "takes no", "zip": "unknown compression",
+                     "qsgd:x": "from 2 to 8", "gravac:3": "gravac:COMPRESSOR takes one of", "dqsgd:3": "takes no",
+                     "zip": "unknown compression",
                      "randomk:1": "1 < CF"}.items():
         with pytest.raises(ValueError, match=msg):
             registry.parse_compression(bad)
