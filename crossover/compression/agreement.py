@@ -24,6 +24,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .wire import CHECK_LEN, CHECK_SLOTS, check_span, pieces_disagree, seed_fingerprint
 
@@ -53,6 +54,12 @@ class Agreement:
     seed: int | None = None  # the seed, where the codec draws from it what every rank must share (else None)
     grouped: bool = False  # the codec's allgathers travel in groups (GroupedCollectives)
     bitmap: bool = False  # its allgather sends a bitmap and values (else pairs)
+
+    @classmethod
+    def of(cls, tensor: Any, *, sent_cf: float, probes: Sequence[float] = (), **rest: Any) -> Agreement:
+        """The agreement for a framework tensor (anything with ``shape`` and ``dtype``), its CFs as plain floats."""
+        return cls(shape=tuple(int(d) for d in tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+                   sent_cf=float(sent_cf), probes=tuple(float(p) for p in probes), **rest)
 
     @property
     def numel(self) -> int:

@@ -156,10 +156,8 @@ class LowRankCodec:
                 ctx.kind, ctx.acc, ctx.q, ctx.q_rest = cost_model.POWERSGD, m, q[:, :r], q[:, r:]
                 ctx.p_handle = comm.allreduce_async(p[:, :r].contiguous(), f"crossover.lowrank.p.{key}")
                 self._pending = [c for c in self._pending if c.step == rec.step] + [ctx]
-        ctx.agreement = Agreement(shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                                  compressor="powersgd", sent_cf=float(rec.sent_cf),
-                                  probes=tuple(float(p) for p in rec.probes), transport=ctx.kind,
-                                  seed=self.seed if ctx.kind == cost_model.POWERSGD else None)
+        ctx.agreement = Agreement.of(tensor, compressor="powersgd", sent_cf=rec.sent_cf, probes=rec.probes,
+                                     transport=ctx.kind, seed=self.seed if ctx.kind == cost_model.POWERSGD else None)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
                                           acc_sq=acc_sq, probe_sq=[kept[cf] for cf in rec.probes],
                                           checks=ctx.agreement.values(comm.size()), momentum=momentum),

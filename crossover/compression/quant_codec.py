@@ -90,9 +90,7 @@ class QuantCodec:
         packed[:4] = torch.tensor([scale], dtype=torch.float32, device=x.device).view(torch.uint8)
         quantize.quantize_pack(x, scale, s, bits, seed, packed[4:], residual_out=residual)
         ctx.seg = seg
-        ctx.agreement = Agreement(shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                                  compressor=f"{bits}-bit quantization", sent_cf=32.0 / bits, probes=(),
-                                  transport=kind)
+        ctx.agreement = Agreement.of(tensor, compressor=f"{bits}-bit quantization", sent_cf=32.0 / bits, transport=kind)
         checks = torch.tensor(ctx.agreement.values(comm.size()), dtype=torch.float32, device=x.device)
         ctx.handle = comm.allgather_async(packed, f"crossover.qallgather.{key}")
         payload = torch.cat([stats, checks])

@@ -325,11 +325,9 @@ class SparseCodec:
         """What the other ranks must do alike with this tensor in this step (agreement.py). The seed counts where
         every rank draws from it what they must share: shared indices, and the agreed set's first draw."""
         shared_seed_needed = self.selector.shared_indices or kind == cost_model.AGREED
-        return Agreement(shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                         compressor=self.compressor, sent_cf=float(rec.sent_cf),
-                         probes=tuple(float(p) for p in rec.probes), transport=kind,
-                         seed=self.seed if shared_seed_needed else None,
-                         grouped=bool(getattr(comm, "grouped", False)), bitmap=bool(bitmap))
+        return Agreement.of(tensor, compressor=self.compressor, sent_cf=rec.sent_cf, probes=rec.probes, transport=kind,
+                            seed=self.seed if shared_seed_needed else None,
+                            grouped=bool(getattr(comm, "grouped", False)), bitmap=bool(bitmap))
 
     def _propose(self, key: str, grad: torch.Tensor, residual: torch.Tensor | None, sel: Selection,
                  world: int) -> torch.Tensor:
