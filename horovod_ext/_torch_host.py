@@ -186,12 +186,12 @@ class TorchHookBase(metaclass=CompressionType):
         self.session.optimizer_seen(opt)
         nbytes = tensor.numel() * tensor.element_size()
         small = tensor.numel() < self.min_compress_numel
-        if tensor.dtype == torch.float32 and not tensor.is_sparse:
+        float32 = tensor.dtype == torch.float32 and not tensor.is_sparse
+        if float32:
             self._step_small += int(small)
             self._step_large += int(not small)
         elif tensor.is_floating_point() and not tensor.is_sparse:
             self._step_other.add(str(tensor.dtype).replace("torch.", ""))
-        float32 = tensor.dtype == torch.float32 and not tensor.is_sparse
         bucketed = float32 and small and bool(self._bucket_small)
         if not float32 or (small and not bucketed) or self.session.skips_all():
             self.session.count(nbytes, nbytes)
@@ -212,10 +212,7 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor.new_empty(0), _SmallMember(self._small, key)
         ordinal = self._order.get(key)  # backward runs roughly in reverse registration order; else arrival order
         self.comm.note(-ordinal if ordinal is not None else self._step_large, tensor.numel())
-        payload, ctx = self.session.encode(key, tensor, self.comm)
-        if getattr(ctx, "stats_apart", None) is not None:  # a dense payload: its statistics go by their own allreduce
-            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
-        return payload, ctx
+        return self._encode(key, tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
@@ -231,9 +228,20 @@ class TorchHookBase(metaclass=CompressionType):
             if tensor.is_floating_point() and not tensor.is_sparse:
                 self._passed.append(torch.isfinite(tensor).all())  # no sync here: read once, at the step's end
             return tensor
+        return self._decode(tensor, ctx)
+
+    def _encode(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The session's payload and context for one gradient (or the small tensors' bucket)."""
+        payload, ctx = self.session.encode(key, tensor, self.comm)
+        if getattr(ctx, "stats_apart", None) is not None:  # a dense payload: its statistics go by their own allreduce
+            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
+        return payload, ctx
+
+    def _decode(self, reduced: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The averaged gradient from its reduced payload (and its statistics' own allreduce, where it had one)."""
         handle = getattr(ctx, "stats_handle", None)
         stats = None if handle is None else self.comm.inner.wait(handle)
-        return self.session.decode(tensor, ctx, self.comm, stats)
+        return self.session.decode(reduced, ctx, self.comm, stats)
 
     def reset(self) -> None:
         """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
@@ -324,21 +332,14 @@ class TorchHookBase(metaclass=CompressionType):
         bucket.places = places
         flat = torch.cat([t.reshape(-1) for _, t in members])
         self.comm.note(math.inf, flat.numel())  # after every gradient of the step
-        payload, ctx = self.session.encode(SMALL_KEY, flat, self.comm)
-        bucket.ctx = ctx
+        payload, bucket.ctx = self._encode(SMALL_KEY, flat)
         bucket.handle = self.comm.inner.allreduce_async(payload, SMALL_KEY)
-        if getattr(ctx, "stats_apart", None) is not None:
-            ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{SMALL_KEY}")
 
     def _small_out(self, member: _SmallMember) -> torch.Tensor:
         """A small tensor's averaged gradient: its part of the bucket, decoded at the first member's decompress."""
         bucket = member.bucket
         if bucket.out is None:
-            ctx = bucket.ctx
-            reduced = self.comm.inner.wait(bucket.handle)
-            handle = getattr(ctx, "stats_handle", None)
-            stats = None if handle is None else self.comm.inner.wait(handle)
-            bucket.out = self.session.decode(reduced, ctx, self.comm, stats).reshape(-1)
+            bucket.out = self._decode(self.comm.inner.wait(bucket.handle), bucket.ctx).reshape(-1)
         off, n, shape = bucket.places[member.key]
         return bucket.out[off:off + n].view(shape)
 
