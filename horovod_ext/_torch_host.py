@@ -153,11 +153,20 @@ class TorchHookBase(metaclass=CompressionType):
         self._passed: list[torch.Tensor] = []  # per tensor passed through this step: finite after the reduction
         self._bucket_small: bool | None = None  # small float32 tensors travel as one bucket (known at a first step)
         self._small: _SmallBucket | None = None  # the open bucket of the step in flight
-        self.codec, self.driver = session.codec, session.driver  # for reading: every call goes through the session
 
     @property
     def policy(self) -> Any:
         return self.session.policy
+
+    @property
+    def codec(self) -> Any:
+        """The session's codec (for reading: every call goes through the session)."""
+        return self.session.codec
+
+    @property
+    def driver(self) -> Any:
+        """The session's step driver (for reading)."""
+        return self.session.driver
 
     # ------------------------------------------------------------------ Horovod interface
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -168,6 +177,7 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor, OUTSIDE  # the exact result: this object's state belongs to its optimizer's gradients
         if opt is not None:
             self._check_owner(opt)
+            self.session = self.session.for_optimizer(opt)  # compressor="auto": the family, before the first step
         if self._phase != "compress":
             self._new_step()
         if opt is not None:
@@ -277,9 +287,11 @@ class TorchHookBase(metaclass=CompressionType):
         Everything (policy, counters, step records, residuals: finite, of the right size) is validated
         before anything is applied: a bad state raises ValueError and leaves this object unchanged.
         """
+        session = self.session.for_state(state)  # compressor="auto" before the first step: the checkpoint's family
         if isinstance(state, Mapping) and "residuals" in state:
-            self.codec.memory.validate(state["residuals"])
-        in_flight = self.session.load_state_dict(state)
+            session.codec.memory.validate(state["residuals"])
+        in_flight = session.load_state_dict(state)
+        self.session = session
         if "residuals" in state:
             self.codec.memory.load(state["residuals"])
         self._phase = "idle"

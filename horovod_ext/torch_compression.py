@@ -64,7 +64,12 @@ class _SparseCompression(TorchHookBase):
 
 
 class GravacCompression(_SparseCompression):
-    """GraVAC: sparsify with `compressor`, adapting the compression factor during training.
+    """GraVAC: compress with `compressor`, adapting the compression factor during training.
+
+    `compressor`: "auto" (the default) picks the family at the first step from the optimizer's momentum (SGD's, or
+    Adam's beta1; `momentum=` overrides): low rank ("powersgd") with momentum, top-k without
+    (crossover/driver/session.py `auto_family`; stats()["compressor"] names the choice). Or one by name: "topk",
+    "powersgd", "dgc", "redsync", "randomk".
 
     `**gravac`: any setting of `crossover.adaptive.gravac.GravacPolicy` (cf_min, cf_max, epsilon, omega,
     window, gain, search, cf_step, reopen_drift, warmup_steps, ewma_alpha, scaling); what is not given
@@ -85,7 +90,7 @@ class GravacCompression(_SparseCompression):
     steps (evaluation, another model trained in the same loop) keeps that work out of the throughput it compares.
     """
 
-    def __init__(self, compressor: str = "topk", *, error_feedback: bool = True, min_compress_numel: int = 16384,
+    def __init__(self, compressor: str = "auto", *, error_feedback: bool = True, min_compress_numel: int = 16384,
                  enabled: bool = True, seed: int = 0, log_csv: str | None = None, tensorboard: Any = None,
                  momentum: float | None = None, transport: str = ALLTOALL_DEFAULT_TRANSPORT,
                  clock: Callable[[], float] | None = None, **gravac: Any) -> None:

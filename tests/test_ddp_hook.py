@@ -128,6 +128,7 @@ def job_optimizer_momentum(steps: int) -> dict:
             opt.step()
         st = state.stats(debug=True)
         out[name] = st.get("policy/momentum") if name != "dqsgd" else st.get("policy/lr", st.get("bits"))
+        out[f"{name}_family"] = st.get("compressor")  # compressor="auto": low rank under momentum, else top-k
         if name == "dqsgd":
             out["dqsgd_lr"] = state.driver.lr
     return out
@@ -138,6 +139,8 @@ def test_the_hook_reads_the_optimizer_it_is_shown():
         assert r["sgd"] == 0.0 and r["momentum"] == pytest.approx(0.5) and r["adam"] == pytest.approx(0.8)
         assert r["told"] == 0.0  # momentum= wins over what is read
         assert r["dqsgd_lr"] == pytest.approx(0.03)  # DQ-SGD needs no lr= when shown the optimizer
+        assert [r[f"{n}_family"] for n in ("sgd", "momentum", "adam", "told")] == ["topk", "powersgd", "powersgd",
+                                                                                 "topk"]
     with pytest.raises(ValueError, match="must be a torch optimizer"):
         AdaptiveState(optimizer=object())
 
@@ -180,7 +183,7 @@ def job_digits(epochs: int, hidden: int) -> dict:
 # times, and its resume is checked with a controlled clock in test_driver_sim.py / test_gravac_policy.py.
 # Each rank's own pairs: agreed index sets are made per bucket and a restarted DDP regroups its buckets, so a
 # resume with the agreed transport continues from freshly drawn sets, not bit for bit (docs/scaling.md).
-_RESUME_SETTINGS = {"search": "paper", "gain": "norm", "cf_min": 4, "cf_max": 10**9, "epsilon": 0.35,
+_RESUME_SETTINGS = {"compressor": "topk", "search": "paper", "gain": "norm", "cf_min": 4, "cf_max": 10**9, "epsilon": 0.35,
                     "omega": 0.0, "window": 6, "min_compress_numel": 1024, "transport": "allgather"}
 
 
@@ -289,8 +292,8 @@ def test_fp16_quantization_and_randomk_hooks(versus_ddp):
     expect = {"fp16": sorted(hc.FP16Compression().stats()), "qsgd8": sorted(hq.QSGDCompression(8).stats()),
               "dqsgd": sorted(hq.DqsgdCompression(total_steps=6, lr=0.1).stats()),
               "randomk": sorted(hc.StaticCompression("randomk", cf=4).stats()),
-              # the same transport as the hook's default (Horovod's "auto" adds its choice's keys)
-              "enabled=False": sorted(hc.GravacCompression(enabled=False, transport="allgather").stats())}
+              # the same family as the hook's (shown no optimizer, it assumes momentum 0.9: low rank)
+              "enabled=False": sorted(hc.GravacCompression("powersgd", enabled=False).stats())}
     for r in versus_ddp:
         assert max(r["errs"]["fp16"]) < 2e-3
         assert max(r["errs"]["qsgd8"]) < 0.5 and max(r["errs"]["dqsgd"]) < 1.5

@@ -12,7 +12,7 @@ from crossover.adaptive.static import StaticPolicy
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.lowrank_codec import LowRankCodec, matrix_shape, rank_for
 from crossover.driver import SparseStepDriver, StepRecord
-from crossover.driver.session import LOWRANK, LowRankSession, cf_session, check_compressor
+from crossover.driver.session import AUTO, LOWRANK, LowRankSession, cf_session, check_compressor
 
 
 def _step(codecs: list[LowRankCodec], grads: list[torch.Tensor], step: int, cf: float,
@@ -203,3 +203,66 @@ def test_a_bad_warm_start_in_a_checkpoint_is_refused_and_changes_nothing(bad):
     assert session.driver.step == 0 and torch.equal(session.codec._q["w"], torch.eye(4)[:, :2])
     session.load_state_dict({**state, "warm_starts": {"w": torch.ones(5, 1)}})  # another shape: redrawn when used
     assert session.driver.step == 7 and session.codec._q["w"].shape == (5, 1)
+
+
+def _auto(momentum: float | None = None, unknown: float = 0.0, tensorboard: object = None):
+    from crossover.adaptive.gravac import GravacPolicy
+
+    return cf_session(AUTO, GravacPolicy(), error_feedback=True, seed=3, log_csv=None, rank=lambda: 0,
+                      transport="allgather", alltoall=True, fixed_gather=True, momentum=momentum,
+                      unknown_momentum=unknown, clock=lambda: 0.0, tensorboard=tensorboard)
+
+
+@pytest.mark.parametrize(("opt", "setting", "unknown", "family"), [
+    ("sgd", None, 0.0, "topk"), ("momentum", None, 0.0, LOWRANK), ("adam", None, 0.0, LOWRANK),
+    ("momentum", 0.0, 0.0, "topk"),  # momentum= wins over what is read
+    (None, None, 0.9, LOWRANK), (None, None, 0.0, "topk"),  # a host that sees no optimizer: its assumption
+])
+def test_auto_picks_the_family_from_the_momentum_once(opt, setting, unknown, family):
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizers = {"sgd": torch.optim.SGD(params, lr=0.1), "momentum": torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                  "adam": torch.optim.Adam(params), None: None}
+    session = _auto(setting, unknown)
+    assert check_compressor(AUTO) == AUTO and session.driver.compressor == "topk"
+    chosen = session.for_optimizer(optimizers[opt])
+    assert chosen.driver.compressor == family and chosen.policy is session.policy
+    assert isinstance(chosen, LowRankSession) == (family == LOWRANK)
+    flip = optimizers["sgd"] if family == LOWRANK else optimizers["momentum"]
+    assert chosen.for_optimizer(flip) is chosen  # decided once
+    assert session.stats()["compressor"] == "topk" and chosen.stats()["compressor"] == family
+
+
+def test_auto_resumes_the_checkpoint_family_and_a_bad_checkpoint_changes_nothing():
+    ran = _auto(0.9).for_optimizer(None)
+    group = SimulatedGroup(1)
+    comm = group.rank_view(0)
+    ran.begin_step(comm)
+    ran.decode(*ran.encode("w", torch.randn(64, 64), comm), comm)
+    ran.settle()
+    state = ran.state_dict()
+    fresh = _auto()
+    resumed = fresh.for_state(state)
+    assert resumed is not fresh and resumed.driver.compressor == LOWRANK
+    resumed.load_state_dict(state)
+    assert resumed.driver.step == 1 and resumed.for_optimizer(None) is resumed  # the checkpoint's family stays
+    assert fresh.driver.step == 0 and fresh.rebuild is not None  # the fresh session was not touched
+    bad = {**state, "step": -1}
+    other = _auto()
+    with pytest.raises(ValueError):
+        other.for_state(bad).load_state_dict(bad)
+    assert other.driver.step == 0 and other.rebuild is not None
+    topk = cf_session("topk", StaticPolicy(cf=10), error_feedback=True, seed=3, log_csv=None, rank=lambda: 0,
+                      transport="allgather", alltoall=True, fixed_gather=True, momentum=0.9, unknown_momentum=0.0,
+                      clock=None)
+    assert topk.for_state(state) is topk  # a named family is fixed: its load refuses another's checkpoint
+    with pytest.raises(ValueError, match="compressor"):
+        topk.load_state_dict(state)
+
+
+def test_auto_hands_its_tensorboard_log_to_the_family_it_picks(tmp_path):
+    session = _auto(0.9, tensorboard=str(tmp_path))
+    log = session.driver.tensorboard
+    chosen = session.for_optimizer(None)
+    assert chosen.driver.tensorboard is log and session.driver.tensorboard is None
+    assert log._final() is not None and log._final().__self__ is chosen.driver
+    chosen.close_tensorboard()

@@ -128,12 +128,17 @@ class _CodecEngine(_Engine):
         if index == 0:
             self._say_uncompressed()
             self.flush()
+            self._use(self.session.for_optimizer(self.optimizer))  # compressor="auto": the family, at the first step
             self.session.begin_step(self.comm)
             self.session.optimizer_seen(self.optimizer)  # a DDP hook sees the optimizer only when shown it
-        if isinstance(self.session, LowRankSession) and buf.dtype == torch.float32:
-            return self._run_lowrank(bucket)
+        if isinstance(self.session, LowRankSession):
+            self._advance()  # the Q rounds of the buckets before this one begin (every rank at the same point)
+            if (buf.dtype == torch.float32 and not self.session.skips_all()
+                    and any(self._factored(g) for g in bucket.gradients())):
+                return self._run_lowrank(bucket)
         nbytes = buf.numel() * buf.element_size()
-        small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
+        small = (buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
+                 or isinstance(self.session, LowRankSession))  # low rank: no matrix to factor here
         kind = "large" if not small else str(buf.dtype).replace("torch.", "")
         self._step_buckets[kind] = self._step_buckets.get(kind, 0) + 1
         if small or self.session.skips_all():
@@ -183,13 +188,11 @@ class _CodecEngine(_Engine):
         each rank). The bucket's future completes once its Q factors are reduced, which the next bucket's hook body
         (or this one, for the last bucket) starts."""
         index, buf, world = bucket.index(), bucket.buffer(), self.comm.size()
-        # 1. the Q allreduces of the buckets before this one begin
-        self._advance()
-        # 2. each large matrix: its P allreduce begins; the other gradients and every statistics vector go in one
-        #    payload, averaged by one allreduce
+        # 1. each large matrix: its P allreduce begins; the other gradients and every statistics vector go in one
+        #    payload, averaged by one allreduce (the Q rounds of the buckets before this one began in `run`)
         dense, encoded = [], []
         for o, g in zip(self.layouts.ordinals(bucket.parameters()), bucket.gradients()):
-            if g.dim() >= 2 and g.numel() >= self.min_compress_numel:
+            if self._factored(g):
                 encoded.append((g, *self.session.encode(f"param{o}", g, self.comm)))
             else:
                 dense.append(g)
@@ -199,10 +202,14 @@ class _CodecEngine(_Engine):
         fut = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
         result: Future = torch.futures.Future()
         self._waiting.append((index, buf, dense, encoded, fut, result))
-        # 3. the last bucket of the step starts its own Q allreduces: nothing comes after it
+        # 2. the last bucket of the step starts its own Q allreduces: nothing comes after it
         if bucket.is_last():
             self._advance()
         return result
+
+    def _factored(self, grad: torch.Tensor) -> bool:
+        """Low rank factors this gradient: a matrix (or conv kernel) of at least min_compress_numel elements."""
+        return grad.dim() >= 2 and grad.numel() >= self.min_compress_numel
 
     def _advance(self) -> None:
         """Finish the P allreduces begun, start every Q allreduce (the same order on every rank), and complete each
@@ -270,9 +277,11 @@ class _CodecEngine(_Engine):
         checkpointed; each bucket's next set is drawn from the shared seed, on every rank alike."""
         if "driver" not in state:
             raise ValueError("not a valid compression state: no 'driver' entry")
+        session = self.session.for_state(state["driver"])  # compressor="auto" before the first step: its family
         if "residuals" in state:
-            self.layouts.validate(state["residuals"])
-        self.session.load_state_dict(state["driver"], **self._agreed_kw())
+            BucketLayouts(session.codec.memory).validate(state["residuals"])
+        session.load_state_dict(state["driver"], **self._agreed_kw(session))
+        self._use(session)
         self._passed.clear()
         if "residuals" in state and isinstance(self.session, LowRankSession):
             self.session.codec.memory.load({f"param{o}": t.detach().reshape(-1).clone()
@@ -280,8 +289,14 @@ class _CodecEngine(_Engine):
         elif "residuals" in state:
             self.layouts.load(state["residuals"])
 
-    def _agreed_kw(self) -> dict[str, bool]:
-        return {"agreed": False} if isinstance(self.session, SparseSession) else {}
+    def _agreed_kw(self, session: StepSession | None = None) -> dict[str, bool]:
+        return {"agreed": False} if isinstance(session or self.session, SparseSession) else {}
+
+    def _use(self, session: StepSession) -> None:
+        """Run `session` from now on (the family ``compressor="auto"`` chose: a new codec, so new residual layouts)."""
+        if session is not self.session:
+            self.session = session
+            self.layouts = BucketLayouts(session.codec.memory)
 
     def reset(self) -> None:
         self._waiting.clear()

@@ -144,7 +144,7 @@ def _sparse_engine(group: Any, name: str, compressor: str, policy: CfPolicy, *, 
     return engine
 
 
-def _build_gravac(group: Any, compressor: str = "topk", *, error_feedback: bool = True,
+def _build_gravac(group: Any, compressor: str = "auto", *, error_feedback: bool = True,
                   min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL, enabled: bool = True, seed: int = 0,
                   log_csv: str | None = None, gather: str = "pad", clock: Callable[[], float] | None = None,
                   momentum: float | None = None, transport: str = DEFAULT_TRANSPORT, optimizer: Any = None,
@@ -221,8 +221,9 @@ class AdaptiveState:
     `AdaptiveState(process_group=None, *, policy="gravac", **settings)`; every setting is checked here
     (ValueError), not on the first step:
 
-    * ``policy="gravac"`` (default): GraVAC adapts the top-k compression factor. Settings: ``compressor``
-      ("topk", "randomk", "dgc", "redsync"), GravacPolicy's own (``cf_min``, ``cf_max``, ``epsilon``,
+    * ``policy="gravac"`` (default): GraVAC adapts the compression factor. Settings: ``compressor`` ("auto", the
+      default: low rank when the momentum below is above 0, else top-k, chosen at the first step; "topk",
+      "powersgd", "randomk", "dgc", "redsync"), GravacPolicy's own (``cf_min``, ``cf_max``, ``epsilon``,
       ``omega``, ``window``, ``scaling``, ``warmup_steps``, ``ewma_alpha``: unset ones keep GravacPolicy's
       defaults), ``enabled=False`` (exact DDP averaging, for comparisons), ``error_feedback``,
       ``min_compress_numel`` (buckets smaller than this go dense), ``seed``, ``log_csv`` (per-step CSV,

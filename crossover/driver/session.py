@@ -35,7 +35,7 @@ from crossover.driver.quant import QuantStepDriver
 from crossover.driver.settings import check_momentum, lr_at, optimizer_momentum
 from crossover.driver.sparse import SparseStepDriver
 
-__all__ = ["LOWRANK", "LowRankSession", "QuantSession", "SparseSession", "StepSession", "cf_session",
+__all__ = ["AUTO", "LOWRANK", "LowRankSession", "QuantSession", "SparseSession", "StepSession", "cf_session",
            "check_compressor"]
 
 
@@ -56,6 +56,16 @@ class StepSession:
 
     def optimizer_seen(self, opt: Any) -> None:
         """The optimizer whose gradients these are (None when the host cannot see it)."""
+
+    def for_optimizer(self, opt: Any) -> StepSession:
+        """The session to run from the first step on (hosts call it before that step begins): this one, unless a
+        codec family is still to be chosen from the optimizer (``compressor="auto"``, `SparseSession`)."""
+        return self
+
+    def for_state(self, state: Any) -> StepSession:
+        """The session that loads `state` (the host swaps it in once its load succeeded): this one, unless the family
+        is still open and the checkpoint names another (``compressor="auto"``)."""
+        return self
 
     def skips_all(self) -> bool:
         """True when this step compresses nothing (the plan is dense and measures nothing)."""
@@ -164,6 +174,32 @@ class SparseSession(StepSession):
         self.clock = clock or time.perf_counter
         self.momentum_setting = check_momentum(momentum)
         self.momentum = unknown_momentum if self.momentum_setting is None else self.momentum_setting
+        self.rebuild: Callable[[str], SparseSession] | None = None  # compressor="auto": the family is still open
+
+    def for_optimizer(self, opt: Any) -> SparseSession:
+        """``compressor="auto"``, at the first step: the family `auto_family` picks for the momentum (`momentum=`,
+        else the optimizer's, else the host's assumption): this session, or a new one with the same settings that
+        takes over its telemetry. Decided once; every later call returns self."""
+        rebuild, self.rebuild = self.rebuild, None
+        if rebuild is None:
+            return self
+        momentum = self.momentum_setting
+        if momentum is None:
+            momentum = self.momentum if opt is None else optimizer_momentum(opt)
+        family = auto_family(momentum)
+        return self if family == self.driver.compressor else self._become(rebuild(family))
+
+    def for_state(self, state: Any) -> SparseSession:
+        """``compressor="auto"`` before the first step: a session of the checkpoint's family (a resumed run keeps its
+        family); self otherwise, whose load then checks the family as every setting."""
+        family = state.get("compressor") if isinstance(state, Mapping) else None
+        if self.rebuild is None or family == self.driver.compressor or family not in AUTO_FAMILIES:
+            return self
+        return self._become(self.rebuild(family))
+
+    def _become(self, new: SparseSession) -> SparseSession:
+        new.driver.adopt_telemetry(self.driver)
+        return new
 
     def begin_step(self, comm: Collectives) -> None:
         self.driver.begin_step(self.clock())
@@ -222,6 +258,7 @@ class SparseSession(StepSession):
         if agreed and isinstance(state, Mapping) and "agreed" in state:
             sets_from_state(state["agreed"])  # checked before anything changes
         in_flight = super().load_state_dict(state)
+        self.rebuild = None  # the checkpoint's family (for_state) is this run's
         self.codec.seed = self.driver.seed
         if agreed:
             self.codec.load_agreed(state.get("agreed", {}))
@@ -268,6 +305,7 @@ class LowRankSession(SparseSession):
         if isinstance(state, Mapping) and "warm_starts" in state:
             warm = self.codec.check_warm_state(state["warm_starts"])
         in_flight = StepSession.load_state_dict(self, state)
+        self.rebuild = None
         self.codec.seed = self.driver.seed
         self.codec.load_warm(warm or {})
         return in_flight
@@ -328,12 +366,24 @@ def _optimizer_lr(opt: Any) -> float:
 
 #: The low-rank family's name among the compressors (``compressor="powersgd"``).
 LOWRANK = "powersgd"
+#: ``compressor="auto"`` (GraVAC's default): the family from the optimizer's momentum at the first step (`auto_family`).
+AUTO = "auto"
+#: The families "auto" chooses between (a checkpoint names one).
+AUTO_FAMILIES = ("topk", LOWRANK)
+
+
+def auto_family(momentum: float) -> str:
+    """The codec family for an optimizer of this momentum (SGD's, or Adam's beta1): top-k without momentum (CF 100
+    kept dense's accuracy), low rank with it (top-k's held-back coordinates then land 1/(1-m) times as far, capping it
+    at CF 10, where low rank kept dense's accuracy faster: reports/benchmarks-lowrank.md, reports/benchmarks-lm.md)."""
+    return LOWRANK if momentum > 0.0 else "topk"
 
 
 def check_compressor(compressor: object) -> str:
-    """`compressor` if it names a selector (top-k, DGC, RedSync, random-k) or the low-rank family, else ValueError."""
-    if compressor == LOWRANK:
-        return LOWRANK
+    """`compressor` if it names a selector (top-k, DGC, RedSync, random-k), the low-rank family or "auto", else
+    ValueError."""
+    if compressor in (LOWRANK, AUTO):
+        return compressor  # type: ignore[return-value]
     make_selector(compressor)  # type: ignore[arg-type]  # ValueError naming the known compressors
     return compressor  # type: ignore[return-value]
 
@@ -343,7 +393,20 @@ def cf_session(compressor: str, policy: Any, *, error_feedback: bool, seed: int,
                dense_stats_apart: bool = False, tensorboard: Any = None, momentum: float | None,
                unknown_momentum: float, clock: Callable[[], float] | None) -> SparseSession:
     """The session of a compression-factor policy: `compressor`'s codec (low-rank, or a selector's) and a step driver
-    (`transport`: the user's setting, for rank-specific selectors; `alltoall`: whether the host has one)."""
+    (`transport`: the user's setting, for rank-specific selectors; `alltoall`: whether the host has one). "auto": a
+    top-k session whose `for_optimizer` picks the family at the first step."""
+    if compressor == AUTO:
+        def rebuild(family: str, transport: str | None = transport) -> SparseSession:
+            return cf_session(family, policy, error_feedback=error_feedback, seed=seed, log_csv=log_csv, rank=rank,
+                              transport=transport, alltoall=alltoall, fixed_gather=fixed_gather,
+                              dense_stats_apart=dense_stats_apart, momentum=momentum,
+                              unknown_momentum=unknown_momentum, clock=clock)
+
+        session = rebuild("topk")
+        session.rebuild = rebuild
+        if tensorboard is not None:
+            session.attach_tensorboard(tensorboard, rank)
+        return session
     if compressor == LOWRANK:
         codec: Any = LowRankCodec(error_feedback=error_feedback, seed=seed)
         cls, transport = LowRankSession, None

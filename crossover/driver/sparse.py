@@ -202,6 +202,12 @@ class SparseStepDriver:
         """Log per-step scalars to `target` (a directory: rank 0 writes; or a SummaryWriter); ValueError if bad."""
         self.tensorboard = TensorBoardLog(target, rank, final=self._tb_final)
 
+    def adopt_telemetry(self, old: SparseStepDriver) -> None:
+        """Take over `old`'s TensorBoard log (``compressor="auto"`` chose another family before any step)."""
+        self.tensorboard, old.tensorboard = old.tensorboard, None
+        if self.tensorboard is not None:
+            self.tensorboard.final_to(self._tb_final)
+
     def close_tensorboard(self) -> None:
         """Log the step in flight, write everything queued and stop logging (also done at exit)."""
         if self.tensorboard is not None:

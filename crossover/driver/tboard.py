@@ -301,11 +301,15 @@ class TensorBoardLog:
         self.kind, obj = check_tensorboard(target)
         self.target = obj
         self._rank = rank
-        self._final = weakref.WeakMethod(final) if hasattr(final, "__self__") else final
+        self.final_to(final)
         self._sink: _Sink | None = None
         self._off = False  # not this rank, closed, or the sink died
         self.closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    def final_to(self, final: Callable[[], None] | None) -> None:
+        """`close()` calls `final` first (held weakly when a bound method: the log does not keep its driver alive)."""
+        self._final = weakref.WeakMethod(final) if hasattr(final, "__self__") else final
 
     # ------------------------------------------------------------------ per step (hot path: O(1))
     def scalars(self, step: int, values: tuple[tuple[str, float | None], ...]) -> None:
