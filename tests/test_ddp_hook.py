@@ -183,8 +183,8 @@ def job_digits(epochs: int, hidden: int) -> dict:
 # times, and its resume is checked with a controlled clock in test_driver_sim.py / test_gravac_policy.py.
 # Each rank's own pairs: agreed index sets are made per bucket and a restarted DDP regroups its buckets, so a
 # resume with the agreed transport continues from freshly drawn sets, not bit for bit (docs/scaling.md).
-_RESUME_SETTINGS = {"compressor": "topk", "search": "paper", "gain": "norm", "cf_min": 4, "cf_max": 10**9, "epsilon": 0.35,
-                    "omega": 0.0, "window": 6, "min_compress_numel": 1024, "transport": "allgather"}
+_RESUME_SETTINGS = {"compressor": "topk", "search": "paper", "gain": "norm", "cf_min": 4, "cf_max": 10**9,
+                    "epsilon": 0.35, "omega": 0.0, "window": 6, "min_compress_numel": 1024, "transport": "allgather"}
 
 
 def job_resume(steps: int) -> dict:
