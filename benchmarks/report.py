@@ -155,6 +155,7 @@ def summarize(raw: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
         "best_metric": best,
         "target": target, "time_to_target_s": time_to(evals, metric, target),
         "cf_final": cfs[-1] if cfs else None, "cf_mean": statistics.fmean(cfs) if cfs else None,
+        "compressor": (meta.get("compression_stats") or {}).get("compressor"),  # the family "auto" chose
         "bits_min": min(bits) if bits else None, "bits_max": max(bits) if bits else None,
         "bits_mean": statistics.fmean(bits) if bits else None,
         "finished": bool(meta.get("finished")),

@@ -44,7 +44,7 @@ def image_dir(report: Path) -> Path:
 #: `AdaptiveCompression(policy="dqsgd", total_steps=T)`)
 TTA_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "dqsgd", "gravac"]
 #: the recipe sections (issue 33): the oracle's candidates and AdaptiveCompression() with no settings
-RECIPE_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "gravac"]
+RECIPE_METHODS = ["none", "fp16", "topk:10", "topk:100", "topk:1000", "powersgd:10", "gravac"]
 #: seeds of every time-to-accuracy section (issue 33: a final accuracy is a median over at least 3 seeds)
 SEEDS = 3
 #: steps each method runs per turn in a side-by-side section

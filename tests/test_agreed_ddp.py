@@ -78,7 +78,8 @@ def test_ddp_agreed_average_and_residuals_are_exact():
 
 
 def job_decisions(steps: int) -> dict:
-    st = AdaptiveState(cf_min=4, cf_max=64, epsilon=0.3, window=6, min_compress_numel=1024, transport="auto")
+    st = AdaptiveState(compressor="topk", cf_min=4, cf_max=64, epsilon=0.3, window=6, min_compress_numel=1024,
+                       transport="auto")
     d = DDP(_model(), bucket_cap_mb=0.05)
     d.register_comm_hook(st, adaptive_hook)
     opt = torch.optim.SGD(d.parameters(), lr=0.05)

@@ -279,7 +279,8 @@ class _CodecEngine(_Engine):
             raise ValueError("not a valid compression state: no 'driver' entry")
         session = self.session.for_state(state["driver"])  # compressor="auto" before the first step: its family
         if "residuals" in state:
-            BucketLayouts(session.codec.memory).validate(state["residuals"])
+            (self.layouts if session is self.session else BucketLayouts(session.codec.memory)).validate(
+                state["residuals"])
         session.load_state_dict(state["driver"], **self._agreed_kw(session))
         self._use(session)
         self._passed.clear()
