@@ -424,6 +424,7 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
                 "oracle_static": oracle, "oracle_time_s": t_oracle,
                 "time_vs_oracle": (t / t_oracle) if t and t_oracle else None,
                 "cf_final": ss[-1].get("cf_final"), "bits_mean": ss[-1].get("bits_mean"),
+                "compressor": ss[-1].get("compressor"),
                 "oracle_parts": (oracle_parts(rs, hits[m], by_method[oracle], hits[oracle])
                                  if m == judge and oracle and oracle != m else []),
             })

@@ -152,7 +152,7 @@ def lm_task(quick: bool) -> TtaTask:
                    "own job", ("--model", "transformer", "--dataset", "pydoc", "--eval-samples", "8192"), 2,
                    "100mbit", ("--epochs", "1", "--max-steps", "6" if quick else "100"), 5,
                    repeats=1 if quick else LM_SEEDS, minutes=6,
-                   methods=("none", "fp16", "gravac", "topk:10", "powersgd:10", "gravac:powersgd"))
+                   methods=("none", "fp16", "gravac", "topk:10", "powersgd:10", "powersgd:30"))
 
 
 def lowrank_task(quick: bool) -> TtaTask:
@@ -164,8 +164,8 @@ def lowrank_task(quick: bool) -> TtaTask:
                    ("--model", "cnn", "--dataset", "mnist", *momentum), 2, "100mbit",
                    ("--epochs", "1", "--max-steps", "6") if quick else ("--epochs", "3"), 10,
                    repeats=1 if quick else SEEDS, minutes=15,
-                   methods=("none", "fp16", "topk:10", "topk:100", "gravac", "powersgd:10", "powersgd:50",
-                            "gravac:powersgd"))
+                   methods=("none", "fp16", "topk:10", "topk:100", "gravac", "powersgd:10", "powersgd:30",
+                            "powersgd:50"))
 
 
 def recipe_tasks(quick: bool) -> list[TtaTask]:

@@ -149,7 +149,7 @@ class LowRankCodec:
             rows, cols = dims
             m = acc.view(rows, cols)
             q = self._warm_q(key, cols, r_max, rec.step, acc.device)
-            p = m @ q  # q has orthonormal columns: ||P[:, :r]||^2 is the part of ||M||^2 rank r keeps of it
+            p = _times(m, q)  # q has orthonormal columns: ||P[:, :r]||^2 is the part of ||M||^2 rank r keeps of it
             energy = p.double().square().sum(0).cumsum(0)
             kept = {cf: float(energy[ranks[cf] - 1]) if ranks.get(cf) else acc_sq for cf in rec.probes}
             if r > 0:
@@ -190,7 +190,7 @@ class LowRankCodec:
         for c in todo:
             c.p = _orthonormal(comm.wait(c.p_handle))
             c.p_handle = None
-            c.q_handle = comm.allreduce_async(c.acc.t() @ c.p, f"crossover.lowrank.q.{c.key}")
+            c.q_handle = comm.allreduce_async(_times(c.acc.t(), c.p).contiguous(), f"crossover.lowrank.q.{c.key}")
 
     def decode(self, reduced: torch.Tensor, ctx: LowRankCtx, comm: Any,
                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +238,12 @@ class LowRankCodec:
             res.zero_()
         else:
             res.sub_(ctx.grad)
+
+
+def _times(m: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:
+    """m @ thin, for `thin` of few columns, as (thin^T m^T)^T: MKL's CPU path for the thin product is 2x to 10x faster
+    that way at ranks 2 to 30 (2048 x 2048: M Q 1.7 ms against 4.4 at rank 10, M^T P 1.7 against 18)."""
+    return (thin.t() @ m.t()).t()
 
 
 def _orthonormal(m: torch.Tensor) -> torch.Tensor:
