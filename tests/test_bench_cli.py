@@ -490,7 +490,8 @@ def test_every_tta_section_runs_three_seeds_and_the_recipes_are_there(tmp_path: 
     recipes = {k: t for k, t in tasks.items() if k.startswith("tta-recipe-")}
     assert set(recipes) == {"tta-recipe-momentum", "tta-recipe-adamw", "tta-recipe-step", "tta-recipe-mnist-cnn"}
     for key, t in recipes.items():
-        assert t.side_by_side and t.methods == ("none", "fp16", "topk:10", "topk:100", "topk:1000", "gravac")
+        assert t.side_by_side and t.methods == ("none", "fp16", "topk:10", "topk:100", "topk:1000", "powersgd:10",
+                                                "gravac")
         runs = run_all.tta_runs(tmp_path / key, t)
         assert len(runs) == 3 and len({r.argv[r.argv.index("--seed") + 1] for r in runs}) == 3
         argv = runs[0].argv
