@@ -145,7 +145,7 @@ def lm_task(quick: bool) -> TtaTask:
     with crossover-bench's transformer defaults (AdamW lr 0.001, weight decay 0.01, warm-up over 5 % of the steps
     then cosine to 0, clipping at norm 1), on CPython's documentation text, each method its own job. 100 steps of
     16 windows of 64 bytes per rank: dense takes 17 to 21 s of training at 100 Mbit/s, and the 10 jobs (2 seeds) took
-    3.9 minutes with Horovod's start-up in the recorded run (reports/benchmarks-lm.md); 120 steps, on a busier
+    3.9 minutes with Horovod's start-up in the recorded run (reports/benchmarks-momentum.md); 120 steps, on a busier
     machine, were on course for over 7."""
     return TtaTask("tta-lm", "byte-level transformer LM (d_model 128, 2 layers) on CPython's pydoc topics with AdamW, "
                    "warm-up then cosine, clipping at 1; 100 steps, 2 emulated hosts at 100 Mbit/s, each method its "

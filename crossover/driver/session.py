@@ -375,7 +375,7 @@ AUTO_FAMILIES = ("topk", LOWRANK)
 def auto_family(momentum: float) -> str:
     """The codec family for an optimizer of this momentum (SGD's, or Adam's beta1): top-k without momentum (CF 100
     kept dense's accuracy), low rank with it (top-k's held-back coordinates then land 1/(1-m) times as far, capping it
-    at CF 10, where low rank kept dense's accuracy faster: reports/benchmarks-lowrank.md, reports/benchmarks-lm.md)."""
+    at CF 10, where low rank kept dense's accuracy faster: reports/benchmarks-momentum.md)."""
     return LOWRANK if momentum > 0.0 else "topk"
 
 
