@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from crossover.compression import cost_model as cm
+from crossover.compression.lowrank_codec import matrix_shape, rank_for
 from crossover.compression.selectors import k_for
 from crossover.compression.wire import SparseStatsLayout
 
@@ -68,6 +69,12 @@ def _predicted(method: str, comp: Any, params: list[torch.nn.Parameter], world: 
     if rec.sent_cf <= 1.0:  # dense step of the adaptive policy: every tensor plus its statistics when measured
         nstats = SparseStatsLayout(len(rec.probes)).length if rec.measure or rec.probes else 0
         return out + sum(cm.ring_allreduce(4.0 * (n + nstats), world).bytes for n in large)
+    if comp.driver.compressor == "powersgd":  # low rank (the defaults under momentum): P and Q of each matrix
+        nstats = SparseStatsLayout(len(rec.probes)).length
+        for n, shape in ((p.numel(), matrix_shape(p.shape)) for p in params if p.numel() >= min_numel):
+            r = rank_for(*shape, rec.sent_cf) if shape else 0
+            out += cm.ring_allreduce(4.0 * ((r * sum(shape) if r else n) + nstats), world).bytes
+        return out
     if method == "randomk":
         nstats = SparseStatsLayout(len(rec.probes)).length
         return out + sum(cm.transport_cost(cm.ALLREDUCE, n, k_for(n, rec.sent_cf), world, nstats).bytes
@@ -91,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     params = list(model.parameters())
     comp = _compression(cfg["method"], cfg["cf"], cfg["min_numel"])
-    if getattr(comp, "driver", None) is not None:
-        comp.driver.collect_costs = True  # every step records the cost model's bytes (`_predicted`)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9),
                                    named_parameters=list(model.named_parameters()), compression=comp)
     hvd.allreduce(torch.zeros(1), name="scaling.ready")
@@ -118,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             start_rx, start_tx = _counters()
             t_start = time.perf_counter()
         x, y = next(it)
+        if getattr(comp, "driver", None) is not None:  # the session's (compressor="auto" picks it at the first step)
+            comp.driver.collect_costs = True  # every step records the cost model's bytes (`_predicted`)
         t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
