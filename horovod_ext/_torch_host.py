@@ -177,7 +177,8 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor, OUTSIDE  # the exact result: this object's state belongs to its optimizer's gradients
         if opt is not None:
             self._check_owner(opt)
-            self.session = self.session.for_optimizer(opt)  # compressor="auto": the family, before the first step
+            if self.session.family_open:  # compressor="auto": the family, agreed by the ranks before the first step
+                self.session = self.session.for_optimizer(opt, HorovodCollectives(torch_process_set(opt)))
         if self._phase != "compress":
             self._new_step()
         if opt is not None:

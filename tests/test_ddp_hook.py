@@ -134,6 +134,26 @@ def job_optimizer_momentum(steps: int) -> dict:
     return out
 
 
+def job_momentum_differs() -> str:
+    """Rank 0's optimizer has momentum, rank 1's none: compressor="auto" would pick two families."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(256, 128))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9 if dist.get_rank() == 0 else 0.0)
+    ddp.register_comm_hook(AdaptiveState(optimizer=opt, min_compress_numel=1000), adaptive_hook)
+    try:
+        ddp(torch.randn(8, 256)).square().mean().backward()
+    except Exception as exc:  # noqa: BLE001 - what the rank saw is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_ranks_with_different_momentum_fail_clearly():
+    for r in run_ddp(job_momentum_differs, timeout=120):
+        assert "RanksDisagree" in r and "different momentum" in r, r
+
+
 def test_the_hook_reads_the_optimizer_it_is_shown():
     for r in run_ddp(job_optimizer_momentum, args=(4,), timeout=180):
         assert r["sgd"] == 0.0 and r["momentum"] == pytest.approx(0.5) and r["adam"] == pytest.approx(0.8)

@@ -105,3 +105,27 @@ def test_ddp_hook_low_rank_with_several_buckets_on_gloo():
         assert lr["residuals"] >= 2 and lr["reloaded"]  # one residual per matrix, checkpointed by ordinal
         assert lr["buckets"] >= 2  # several buckets a step: their collectives must not interleave
     assert res[0]["lowrank"]["digest"] == res[1]["lowrank"]["digest"]  # every rank applied the same update
+
+
+def disagree_job():
+    import horovod.torch as hvd
+    import torch
+
+    from crossover import AdaptiveCompression
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128)
+    momentum = 0.9 if hvd.rank() == 0 else 0.0  # the ranks' optimizers differ: they would pick different families
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+                                   named_parameters=model.named_parameters(), compression=AdaptiveCompression())
+    try:
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - what the rank saw is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_ranks_with_different_momentum_fail_clearly_on_every_rank():
+    for r in run_function(disagree_job, timeout=120):
+        assert r.startswith("RanksDisagree") and "different momentum" in r, r

@@ -128,7 +128,8 @@ class _CodecEngine(_Engine):
         if index == 0:
             self._say_uncompressed()
             self.flush()
-            self._use(self.session.for_optimizer(self.optimizer))  # compressor="auto": the family, at the first step
+            if self.session.family_open:  # compressor="auto": the family, agreed by the ranks at the first step
+                self._use(self.session.for_optimizer(self.optimizer, self.comm, buf.device))
             self.session.begin_step(self.comm)
             self.session.optimizer_seen(self.optimizer)  # a DDP hook sees the optimizer only when shown it
         if isinstance(self.session, LowRankSession):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from crossover.compression.agreed import sets_from_state
+from crossover.compression.agreement import RanksDisagree
 from crossover.compression.collectives import Collectives
 from crossover.compression.lowrank_codec import LowRankCodec
 from crossover.compression.quant_codec import QuantCodec
@@ -57,7 +58,12 @@ class StepSession:
     def optimizer_seen(self, opt: Any) -> None:
         """The optimizer whose gradients these are (None when the host cannot see it)."""
 
-    def for_optimizer(self, opt: Any) -> StepSession:
+    @property
+    def family_open(self) -> bool:
+        """Whether `for_optimizer` still has a codec family to choose (``compressor="auto"`` before its first step)."""
+        return False
+
+    def for_optimizer(self, opt: Any, comm: Any = None, device: Any = None) -> StepSession:
         """The session to run from the first step on (hosts call it before that step begins): this one, unless a
         codec family is still to be chosen from the optimizer (``compressor="auto"``, `SparseSession`)."""
         return self
@@ -176,16 +182,23 @@ class SparseSession(StepSession):
         self.momentum = unknown_momentum if self.momentum_setting is None else self.momentum_setting
         self.rebuild: Callable[[str], SparseSession] | None = None  # compressor="auto": the family is still open
 
-    def for_optimizer(self, opt: Any) -> SparseSession:
+    @property
+    def family_open(self) -> bool:
+        return self.rebuild is not None
+
+    def for_optimizer(self, opt: Any, comm: Any = None, device: Any = None) -> SparseSession:
         """``compressor="auto"``, at the first step: the family `auto_family` picks for the momentum (`momentum=`,
-        else the optimizer's, else the host's assumption): this session, or a new one with the same settings that
-        takes over its telemetry. Decided once; every later call returns self."""
+        else the optimizer's, else the host's assumption), agreed over `comm` (every member calls this at its first
+        step; RanksDisagree when the momenta differ): this session, or a new one with the same settings that takes
+        over its telemetry. Decided once; every later call returns self."""
         rebuild, self.rebuild = self.rebuild, None
         if rebuild is None:
             return self
         momentum = self.momentum_setting
         if momentum is None:
             momentum = self.momentum if opt is None else optimizer_momentum(opt)
+        if comm is not None:
+            momentum = agreed_momentum(momentum, comm, device)
         family = auto_family(momentum)
         return self if family == self.driver.compressor else self._become(rebuild(family))
 
@@ -377,6 +390,19 @@ def auto_family(momentum: float) -> str:
     kept dense's accuracy), low rank with it (top-k's held-back coordinates then land 1/(1-m) times as far, capping it
     at CF 10, where low rank kept dense's accuracy faster: reports/benchmarks-momentum.md)."""
     return LOWRANK if momentum > 0.0 else "topk"
+
+
+def agreed_momentum(momentum: float, comm: Any, device: Any = None) -> float:
+    """The momentum every rank of `comm` chooses the family by: one small allreduce, once per run. Ranks whose momenta
+    differ would pick different families and stall on each other's collectives: RanksDisagree on every rank."""
+    sent = torch.tensor([momentum, momentum * momentum], dtype=torch.float64, device=device)
+    mean, mean_sq = comm.wait(comm.allreduce_async(sent, "crossover.family")).tolist()
+    if mean_sq - mean * mean > 1e-9:  # the variance over ranks: 0 up to rounding when they agree
+        raise RanksDisagree(f"crossover: the ranks' optimizers have different momentum (mean {mean:.3g}, variance "
+                            f"{mean_sq - mean * mean:.3g}); compressor='auto' picks the codec family from it on every "
+                            "rank alike: give every rank the same optimizer settings, or pass momentum= or a "
+                            "compressor by name")
+    return mean
 
 
 def check_compressor(compressor: object) -> str:
