@@ -132,17 +132,17 @@ class _CodecEngine(_Engine):
                 self._use(self.session.for_optimizer(self.optimizer, self.comm, buf.device))
             self.session.begin_step(self.comm)
             self.session.optimizer_seen(self.optimizer)  # a DDP hook sees the optimizer only when shown it
-        if isinstance(self.session, LowRankSession):
+        lowrank = isinstance(self.session, LowRankSession)
+        if lowrank:
             self._advance()  # the Q rounds of the buckets before this one begin (every rank at the same point)
             if (buf.dtype == torch.float32 and not self.session.skips_all()
                     and any(self._factored(g) for g in bucket.gradients())):
                 return self._run_lowrank(bucket)
         nbytes = buf.numel() * buf.element_size()
-        small = (buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
-                 or isinstance(self.session, LowRankSession))  # low rank: no matrix to factor here
+        small = buf.dtype != torch.float32 or buf.numel() < self.min_compress_numel
         kind = "large" if not small else str(buf.dtype).replace("torch.", "")
         self._step_buckets[kind] = self._step_buckets.get(kind, 0) + 1
-        if small or self.session.skips_all():
+        if small or lowrank or self.session.skips_all():  # low rank here: no matrix to factor, or compression off
             self.session.count(nbytes, nbytes)
             if small and self.layouts.memory.enabled:  # a residual left by a bucket rebuild goes out now
                 res = self.layouts.memory.pop(self.layouts.key(index, bucket.parameters(), buf))
@@ -279,11 +279,11 @@ class _CodecEngine(_Engine):
         if "driver" not in state:
             raise ValueError("not a valid compression state: no 'driver' entry")
         session = self.session.for_state(state["driver"])  # compressor="auto" before the first step: its family
+        layouts = self.layouts if session is self.session else BucketLayouts(session.codec.memory)
         if "residuals" in state:
-            (self.layouts if session is self.session else BucketLayouts(session.codec.memory)).validate(
-                state["residuals"])
+            layouts.validate(state["residuals"])
         session.load_state_dict(state["driver"], **self._agreed_kw(session))
-        self._use(session)
+        self.session, self.layouts = session, layouts
         self._passed.clear()
         if "residuals" in state and isinstance(self.session, LowRankSession):
             self.session.codec.memory.load({f"param{o}": t.detach().reshape(-1).clone()
