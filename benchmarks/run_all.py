@@ -341,6 +341,25 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
         [Run([py, "-m", f"{__package__}.bench_ddp", "--rate", "1gbit", "--hosts", "2",
               "--epochs", "1" if quick else "12", "--out", str(out / "ddp"), "--json", str(out / "ddp.json")])],
         needs_netem=True, minutes=3))
+    psgd = "none,fp16,powersgd1,powersgd2,powersgd4,adaptive"
+    ddp_common = ["--own-jobs", "--methods", psgd, "--seeds", "0" if quick else "0,1,2"]
+    s.append(Section(
+        "ddp-momentum", "PyTorch DDP under momentum SGD and AdamW: AdaptiveState() against PyTorch's PowerSGD",
+        "Issue 46 (c): the DDP hook with the defaults (AdaptiveState(), shown the optimizer) against PyTorch's "
+        "powerSGD_hook at ranks 1, 2 and 4 (one bucket, vanilla allreduce for the first 10 % of the steps), the "
+        "fp16 hook and dense, each method its own job, 3 seeds: the CNN on the MNIST sample with SGD momentum 0.9 "
+        "(100 Mbit/s), the digits MLP (width 2) with AdamW and with SGD momentum 0.9 (300 Mbit/s). Time to target "
+        "reads a moving mean of 3 evaluations.",
+        [Run([py, "-m", f"{__package__}.bench_ddp", "--model", "cnn", "--dataset", "mnist", "--momentum", "0.9",
+              "--weight-decay", "5e-4", "--lr", "0.02", "--rate", "100mbit", "--epochs", "1" if quick else "3",
+              "--eval-every", "10", *ddp_common, "--out", str(out / "ddp-momentum" / "cnn")]),
+         Run([py, "-m", f"{__package__}.bench_ddp", "--model", "mlp", "--width", "2", "--optimizer", "adamw",
+              "--lr", "0.001", "--weight-decay", "0.01", "--rate", "300mbit", "--epochs", "1" if quick else "20",
+              "--eval-every", "5", *ddp_common, "--out", str(out / "ddp-momentum" / "mlp-adamw")]),
+         Run([py, "-m", f"{__package__}.bench_ddp", "--model", "mlp", "--width", "2", "--momentum", "0.9",
+              "--weight-decay", "5e-4", "--lr", "0.05", "--rate", "300mbit", "--epochs", "1" if quick else "20",
+              "--eval-every", "5", *ddp_common, "--out", str(out / "ddp-momentum" / "mlp-momentum")])],
+        needs_netem=True, minutes=20))
     s.append(Section(
         "crossover", "Crossover scheduling: two jobs sharing two emulated hosts",
         "Two identical 2-rank jobs, one rank per emulated host, each host's device one pinned core; one "
