@@ -71,8 +71,9 @@ def _predicted(method: str, comp: Any, params: list[torch.nn.Parameter], world: 
         return out + sum(cm.ring_allreduce(4.0 * (n + nstats), world).bytes for n in large)
     if comp.driver.compressor == "powersgd":  # low rank (the defaults under momentum): P and Q of each matrix
         nstats = SparseStatsLayout(len(rec.probes)).length
+        shared = comp.codec.totals(rec.step)  # the matrices the one rank of the step is sized on
         for n, shape in ((p.numel(), matrix_shape(p.shape)) for p in params if p.numel() >= min_numel):
-            r = rank_for(*shape, rec.sent_cf) if shape else 0
+            r = rank_for(*shape, rec.sent_cf, shared) if shape else 0
             out += cm.ring_allreduce(4.0 * ((r * sum(shape) if r else n) + nstats), world).bytes
         return out
     if method == "randomk":

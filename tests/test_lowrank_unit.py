@@ -38,7 +38,25 @@ def test_matrix_shape_and_rank():
     assert rank_for(256, 512, 10.0) == 17  # 256 * 512 / (10 * (256 + 512)) = 17.07
     assert rank_for(3, 3, 10.0) == 0  # rank 1 would save less than 2x: dense
     assert rank_for(2, 1000, 1.5) == 0  # rank 1 sends 1002 of 2000 floats
-    assert rank_for(4, 1000, 1.5) == 2
+    assert rank_for(4, 1000, 1.5) == 1  # rank 2 would send 2008 of 4000 floats: less than 2x
+
+
+def test_one_rank_for_every_matrix_from_the_second_step():
+    """PowerSGD's choice: once the matrices are known, one rank serves them all, sized so that their factors send
+    1/cf of them; a matrix is never factored beyond what still shrinks it 2x."""
+    mats = {"fc": (256, 1600), "conv": (64, 288), "out": (10, 256)}
+    shared = (sum(r * c for r, c in mats.values()), sum(r + c for r, c in mats.values()))
+    assert rank_for(*mats["conv"], 30.0, shared) == 5  # 430592 // (30 * 2474) = 5, where alone it would get 1
+    assert rank_for(*mats["out"], 10.0, shared) == 4  # 17 for all, but rank 5 would shrink 10 x 256 under 2x
+    view = SimulatedGroup(1).rank_view(0)
+    codec = LowRankCodec(seed=1)
+    for step, want in ((1, {"fc": 7, "conv": 1, "out": 1}), (2, {"fc": 5, "conv": 5, "out": 4})):
+        rec = StepRecord(step=step, sent_cf=30.0, probes=(30.0,))
+        enc = {k: codec.encode(k, torch.randn(shape), rec, 0.01, view) for k, shape in mats.items()}
+        assert {k: e[1].q.shape[1] for k, e in enc.items()} == want  # step 1: each on its own; then one for all
+        codec.advance(view)
+        for payload, ctx, _ in enc.values():
+            codec.decode(payload, ctx, view)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -14,8 +14,10 @@ Both allreduces travel as the codec's own collectives, batched per step: `encode
 them and starts every Q allreduce, and `decode` finishes its tensor. The host reduces only the statistics vector
 (`wire.SparseStatsLayout`), whose sums feed the step driver as the sparse codec's do.
 
-The rank comes from the plan's compression factor: the largest r with rows x cols >= cf x r (rows + cols), at
-least 1 and at most min(rows, cols); a tensor that rank 1 does not shrink by at least 2x goes dense. The CFs a plan
+The rank comes from the plan's compression factor, one rank for every matrix as PowerSGD has it: the largest r whose
+factors of all the matrices of the steps before send 1/cf of them, at least 1, and for each matrix at most what
+still shrinks it 2x (the first step, with the matrices not yet known, sizes each on its own). A tensor that rank 1
+does not shrink by at least 2x goes dense. The CFs a plan
 probes are measured on the same Q (of the largest rank among them): what rank r keeps of M is ||M Q[:, :r]||^2,
 which GraVAC compares as it compares top-k's levels.
 """
@@ -53,13 +55,15 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
     return (rows, cols) if rows > 0 and cols > 0 else None
 
 
-def rank_for(rows: int, cols: int, cf: float) -> int:
-    """The rank whose factors send about 1/cf of the matrix (at least 1, at most min(rows, cols)); 0 when even rank
-    1 does not save MIN_SAVING (send dense)."""
+def rank_for(rows: int, cols: int, cf: float, shared: tuple[int, int] | None = None) -> int:
+    """The rank whose factors send about 1/cf of the matrices `shared` sums (their elements, their rows + cols; None:
+    this matrix alone), at least 1 and at most what shrinks this one MIN_SAVING times; 0 when even rank 1 does not
+    (send dense)."""
     if rows * cols < MIN_SAVING * (rows + cols):
         return 0
-    r = int(rows * cols // (max(cf, 1.0) * (rows + cols)))
-    return max(1, min(r, rows, cols))
+    numel, edges = shared or (rows * cols, rows + cols)
+    r = int(numel // (max(cf, 1.0) * edges))
+    return max(1, min(r, int(rows * cols // (MIN_SAVING * (rows + cols)))))
 
 
 @dataclass
@@ -92,6 +96,8 @@ class LowRankCodec:
         self._q: dict[str, torch.Tensor] = {}  # key -> the last step's Q (cols x r), identical on every rank
         self._pending: list[LowRankCtx] = []  # this step's tensors whose Q allreduce has not begun
         self._outputs: dict[str, torch.Tensor] = {}
+        self._matrices: dict[str, tuple[int, int]] = {}  # key -> (rows, cols): every matrix factored so far
+        self._shared: tuple[int, tuple[int, int] | None] = (-1, None)  # (step, its rank_for totals)
 
     def forget(self) -> None:
         """Drop the warm starts and any step in flight (elastic reset): Q is drawn again from the seed."""
@@ -136,7 +142,12 @@ class LowRankCodec:
         dims = matrix_shape(tensor.shape)
         # the rank of each level (the CF sent and the CFs probed): one Q of the largest serves them all, its first
         # r columns the rank-r level (its columns are orthonormal and ordered by the power iteration)
-        ranks = {cf: rank_for(*dims, cf) for cf in {*rec.probes, rec.sent_cf} if cf > 1} if dims else {}
+        ranks = {}
+        if dims:
+            shared = self.totals(rec.step)
+            ranks = {cf: rank_for(*dims, cf, shared) for cf in {*rec.probes, rec.sent_cf} if cf > 1}
+            if rank_for(*dims, 2.0):
+                self._matrices[key] = dims
         r, r_max = ranks.get(rec.sent_cf, 0), max(ranks.values(), default=0)
         grad_sq = kernels.sumsq(grad) if residual is not None else None
         acc_sq = kernels.sumsq(acc)
@@ -168,6 +179,14 @@ class LowRankCodec:
                 residual.zero_()  # the residual went out whole
             return payload, ctx, payload.numel() * 4
         return stats, ctx, (r * (dims[0] + dims[1]) + stats.numel()) * 4
+
+    def totals(self, step: int) -> tuple[int, int] | None:
+        """(elements, rows + cols) of the matrices factored before `step`, fixed for the whole step: the same on
+        every rank whatever order its gradients arrive in (None before any)."""
+        if self._shared[0] != step:
+            mats = self._matrices.values()
+            self._shared = (step, (sum(r * c for r, c in mats), sum(r + c for r, c in mats)) if mats else None)
+        return self._shared[1]
 
     def _warm_q(self, key: str, cols: int, r: int, step: int, device: torch.device) -> torch.Tensor:
         """r orthonormal columns for `key`: the last step's Q, completed (or first drawn) with columns from the shared
