@@ -223,6 +223,21 @@ def test_a_bad_warm_start_in_a_checkpoint_is_refused_and_changes_nothing(bad):
     assert session.driver.step == 7 and session.codec._q["w"].shape == (5, 1)
 
 
+def test_a_checkpoint_keeps_the_matrices_the_one_rank_is_sized_on():
+    """Without them the first step after a resume would size each matrix on its own: another rank than the run's."""
+    kw = dict(error_feedback=True, seed=0, log_csv=None, rank=lambda: 0, transport=None, alltoall=False,
+              fixed_gather=True, momentum=0.9, unknown_momentum=0.0, clock=None)
+    ran = cf_session(LOWRANK, StaticPolicy(cf=10), **kw)
+    ran.codec._matrices = {"fc": (256, 1600), "conv": (64, 288)}
+    state = ran.state_dict()
+    resumed = cf_session(LOWRANK, StaticPolicy(cf=10), **kw)
+    resumed.load_state_dict(state)
+    assert resumed.codec.totals(5) == ran.codec.totals(5) == (256 * 1600 + 64 * 288, 256 + 1600 + 64 + 288)
+    with pytest.raises(ValueError, match="low-rank matrix 'conv'"):
+        resumed.load_state_dict({**state, "step": 9, "matrices": {"conv": [64, 0]}})
+    assert resumed.driver.step == state["step"]  # refused: nothing changed
+
+
 def _auto(momentum: float | None = None, unknown: float = 0.0, tensorboard: object = None):
     from crossover.adaptive.gravac import GravacPolicy
 

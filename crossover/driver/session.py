@@ -309,18 +309,21 @@ class LowRankSession(SparseSession):
 
     def state_dict(self, agreed: bool = True) -> dict[str, Any]:
         """The driver's state and the warm starts (the same on every rank)."""
-        return {**self.driver.state_dict(), "warm_starts": self.codec.warm_state()}
+        return {**self.driver.state_dict(), "warm_starts": self.codec.warm_state(),
+                "matrices": self.codec.matrices_state()}
 
     def load_state_dict(self, state: Mapping[str, Any], agreed: bool = True) -> bool:
         """The driver's state and the warm starts (checked first: ValueError, nothing changed); a state without
         them draws them again from the shared seed, on every rank alike."""
-        warm = None
+        warm = mats = None
         if isinstance(state, Mapping) and "warm_starts" in state:
             warm = self.codec.check_warm_state(state["warm_starts"])
+        if isinstance(state, Mapping) and "matrices" in state:
+            mats = self.codec.check_matrices(state["matrices"])
         in_flight = StepSession.load_state_dict(self, state)
         self.rebuild = None
         self.codec.seed = self.driver.seed
-        self.codec.load_warm(warm or {})
+        self.codec.load_warm(warm or {}, mats)
         return in_flight
 
 
