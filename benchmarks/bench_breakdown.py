@@ -13,7 +13,7 @@ rotates every round, so that a slow phase of a shared machine falls on all of th
   compute          the model with no communication at all: the floor of every step
   hvd-none         stock Horovod, hvd.Compression.none (dense fp32)
   hvd-off          Horovod with AdaptiveCompression(enabled=False): the hook with compression off
-  hvd-topk:CF      Horovod with StaticCompression("topk", cf=CF)
+  hvd-topk:CF      Horovod with StaticCompression("topk", cf=CF) (hvd-powersgd:CF: low rank)
   hvd-adaptive     Horovod with AdaptiveCompression() (defaults); compared with hvd-topk at the CF it settles on
   hvd-warmup       Horovod with AdaptiveCompression(warmup_steps=10**9): every step dense and measured (what
                    the statistics cost on GraVAC's dense steps)
@@ -23,7 +23,7 @@ rotates every round, so that a slow phase of a shared machine falls on all of th
                    allgather sends a bitmap and values, below CF 32); or /groups1 (Horovod's own
                    DistributedOptimizer(groups=1): one grouped allreduce at the end of backward)
   ddp-none         PyTorch DDP, no hook
-  ddp-topk:CF      DDP with crossover's adaptive_hook, AdaptiveState(policy="static", cf=CF)
+  ddp-topk:CF      DDP with crossover's adaptive_hook, AdaptiveState(policy="static", cf=CF) (ddp-powersgd:CF)
   ddp-adaptive     DDP with adaptive_hook, AdaptiveState() (defaults)
 
 Per method the table gives the median step and its phases: forward, backward (with the hooks' work; DDP also
@@ -72,7 +72,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = "compute,hvd-none,hvd-off,ddp-none,hvd-topk:100,ddp-topk:100,hvd-adaptive,hvd-topk:10,hvd-warmup"
 PHASES = ("step", "cpu", "fwd", "bwd", "wait", "opt", "compress", "encode", "decompress", "decode", "policy", "agree")
 #: the issue's targets: (name, numerator method, denominator method, bound)
-TARGETS = (("Horovod top-k vs DDP hook top-k, same CF", "hvd-topk:{cf}", "ddp-topk:{cf}", 1.10),
+TARGETS = (("Horovod {family} vs DDP hook {family}, same CF", "hvd-{family}:{cf}", "ddp-{family}:{cf}", 1.10),
            ("AdaptiveCompression() settled at CF c vs StaticCompression at c", "hvd-adaptive@{cf}", "hvd-topk:{cf}",
             1.03),
            ("compression off vs stock Horovod", "hvd-off", "hvd-none", 1.02))
@@ -571,10 +571,14 @@ def summarize(res: dict[str, Any], cf: float) -> dict[str, Any]:
                 row["collective_bytes"] = {op: v / k for op, v in a["dist"]["bytes"].items()}
         rows[name] = row
     targets = []
-    # the first target at every CF with both methods in the run (CF 10 and CF 100 side by side), the others at `cf`
-    cfs = sorted({float(n.split(":")[1]) for n in res["methods"] if n.startswith("hvd-topk:") and "/" not in n
-                  and f"ddp-topk:{n.split(':')[1]}" in res["methods"]} | {cf})
-    expanded = [(*TARGETS[0], c) for c in cfs] + [(*t, cf) for t in TARGETS[1:]]
+    # the first target for every codec family and CF with both hosts in the run (top-k and low rank, CF 10 and CF
+    # 100 side by side), the others at `cf`
+    pairs = sorted({(n[4:].split(":")[0], float(n.split(":")[1])) for n in res["methods"]
+                    if n.startswith("hvd-") and ":" in n and "/" not in n and f"ddp-{n[4:]}" in res["methods"]})
+    first = TARGETS[0]
+    shown = {"topk": "top-k", "powersgd": "low rank"}
+    expanded = [(first[0].format(family=shown.get(f, f)), first[1].replace("{family}", f),
+                 first[2].replace("{family}", f), first[3], c) for f, c in pairs] + [(*t, cf) for t in TARGETS[1:]]
     for title, num, den, bound, at in expanded:
         a_name, b_name = num.format(cf=_g(at)), den.format(cf=_g(at))
         settled_only = "@" in a_name
