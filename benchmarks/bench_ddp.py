@@ -438,7 +438,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   "final_accuracy": s["final_metric"], "bytes_ratio": s["compression_ratio"],
                                   "wire_bytes": wire, "wire_bytes_per_step": wire / max(1, steps), "steps": steps,
                                   "train_s": s["train_s"], "cf_final": s["cf_final"], "load_average": load,
-                                  "compressor": s["compressor"],
                                   "compression_stats": raw["meta"].get("compression_stats")}
                 paths.append(out / label / "results.json")
                 print(f"  {label}: median step {1e3 * (s['median_step_s'] or 0):.1f} ms, final accuracy "
@@ -519,7 +518,6 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(f"| {label} | failed ({v['failed']}) | | | | | | | | | |")
     for m, r in rows.items():
         wire = [v["wire_bytes_per_step"] for k, v in runs.items() if base_method(k) == m and "failed" not in v]
-        fam = next((v.get("compressor") for k, v in runs.items() if base_method(k) == m and v.get("compressor")), None)
         fin = f(r["final_metric"], ".4f") + (f" ({r['final_min']:.4f}..{r['final_max']:.4f})" if r["repeats"] > 1
                                             and r["final_min"] is not None else "")
         gap = r.get("final_minus_dense")
@@ -530,7 +528,7 @@ def format_table(summary: dict[str, Any]) -> str:
                      f"{fin} | {f(gap if gap is None else 100 * gap, '+.2f')} pt | "
                      f"{f(r['time_to_dense_final_s'], '.1f', 'not reached')} ({r['reached_in']}) | "
                      f"{f(r.get('tta_speedup_vs_dense'), '.2f')}x | {f(r.get('tta_speedup_vs_fp16'), '.2f')}x | "
-                     f"{fam or '-'} {f(r.get('cf_final'), '.3g', '')} |")
+                     f"{r.get('compressor') or '-'} {f(r.get('cf_final'), '.3g', '')} |")
     lines += ["", "| target (issues 13, 46 (c)) | measured | |", "|---|---:|---|"]
     for t in summary["targets"]:
         meas = t["measured"]
