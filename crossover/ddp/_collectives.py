@@ -14,6 +14,10 @@ Gloo's allgather needs the same size on every rank. Two ways to get it:
   every rank pads to the largest count and the padding is cut off again in `wait`. Two collectives, and
   the first one stalls the backward pass until every rank reaches the bucket (docs/ddp.md has the
   measurement that chose the first way).
+
+Allreduces (the low-rank codec's P and Q factors) are queued, and `flush` starts one allreduce of everything queued,
+after an optional head the caller has already averaged (a bucket's payload): PyTorch's PowerSGD hook likewise sends
+each round as one flat tensor.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class GatherHandle:
     """An allgather in flight: its future, the output buffer, and per-rank row counts when they differ."""
 
-    fut: torch.futures.Future
+    fut: torch.futures.Future | None  # None: an allreduce queued, not yet started (`TorchDistCollectives.flush`)
     out: torch.Tensor
     rows: int  # rows per rank in `out`
     counts: list[int] | None = None  # valid rows of each rank (None: all `rows`)
@@ -51,6 +55,7 @@ class TorchDistCollectives:
         self.group = group
         self.equal_sizes = bool(equal_sizes)
         self._outs: dict[str, torch.Tensor] = {}
+        self._queue: list[GatherHandle] = []  # allreduces not yet started
 
     def size(self) -> int:
         return dist.get_world_size(self.group)
@@ -79,10 +84,30 @@ class TorchDistCollectives:
         return GatherHandle(fut=work.get_future(), out=out, rows=rows, counts=counts)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> GatherHandle:
-        """Start averaging `tensor` over the group (out of place: the sum of each rank's share)."""
+        """Queue averaging `tensor` over the group (out of place); `flush`, or the first `wait`, starts it."""
         out = tensor / self.size()
-        work = dist.all_reduce(out, group=self.group, async_op=True)
-        return GatherHandle(fut=work.get_future(), out=out, rows=out.shape[0] if out.dim() else 1)
+        handle = GatherHandle(fut=None, out=out, rows=out.shape[0] if out.dim() else 1)
+        self._queue.append(handle)
+        return handle
+
+    def flush(self, head: torch.Tensor | None = None) -> torch.futures.Future | None:
+        """Start one allreduce (a sum) of `head` (flat, already divided by the group's size) and of every queued
+        tensor, in that order; its future's value begins with the reduced head. None when there is nothing."""
+        queue, self._queue = self._queue, []
+        parts = ([] if head is None else [head]) + [h.out.reshape(-1) for h in queue]
+        if not parts:
+            return None
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        fut = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+        off = 0 if head is None else head.numel()
+        for h in queue:
+            h.fut, h.out = fut, flat[off:off + h.out.numel()].view_as(h.out)
+            off += h.out.numel()
+        return fut
+
+    def discard(self) -> None:
+        """Forget the allreduces queued and not started (a step abandoned)."""
+        self._queue.clear()
 
     def wait(self, handle: GatherHandle) -> torch.Tensor:
         """The concatenation of every rank's tensor, in rank order (padding removed).
@@ -90,6 +115,8 @@ class TorchDistCollectives:
         Waits on the future, not on the work: inside a callback of that future (the hook's decode) Gloo
         has completed the future but not yet the work, and `work.wait()` there would never return.
         """
+        if handle.fut is None:
+            self.flush()
         handle.fut.wait()
         if handle.counts is None or all(c == handle.rows for c in handle.counts):
             return handle.out

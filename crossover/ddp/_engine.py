@@ -134,7 +134,6 @@ class _CodecEngine(_Engine):
             self.session.optimizer_seen(self.optimizer)  # a DDP hook sees the optimizer only when shown it
         lowrank = isinstance(self.session, LowRankSession)
         if lowrank:
-            self._advance()  # the Q rounds of the buckets before this one begin (every rank at the same point)
             if (buf.dtype == torch.float32 and not self.session.skips_all()
                     and any(self._factored(g) for g in bucket.gradients())):
                 return self._run_lowrank(bucket)
@@ -156,7 +155,10 @@ class _CodecEngine(_Engine):
                     passed[index] = torch.isfinite(out).all()  # read at the next step's flush
                 return out
 
-            return allreduce_mean(buf, self.group).then(seen)
+            fut = allreduce_mean(buf, self.group).then(seen)
+            if lowrank and bucket.is_last():
+                self._advance()  # the Q round of the buckets before this one
+            return fut
         key = self.layouts.key(index, bucket.parameters(), buf)
         if self.layouts.rebuilds != self._rebuilds_seen:  # DDP regrouped its buckets: their agreed sets are moot
             self._rebuilds_seen = self.layouts.rebuilds
@@ -186,11 +188,11 @@ class _CodecEngine(_Engine):
     def _run_lowrank(self, bucket: dist.GradBucket) -> Future:
         """Low rank per parameter of the bucket: two rounds of allreduces, each issued from a hook body so that every
         rank issues them in the same order (on Gloo, collectives issued from callbacks interleave differently on
-        each rank). The bucket's future completes once its Q factors are reduced, which the next bucket's hook body
-        (or this one, for the last bucket) starts."""
+        each rank). The bucket's future completes once its Q factors are reduced, in one allreduce that the last
+        bucket's hook body starts for every bucket of the step."""
         index, buf, world = bucket.index(), bucket.buffer(), self.comm.size()
-        # 1. each large matrix: its P allreduce begins; the other gradients and every statistics vector go in one
-        #    payload, averaged by one allreduce (the Q rounds of the buckets before this one began in `run`)
+        # 1. each large matrix is encoded (its P factor queued); the other gradients, every statistics vector and the
+        #    P factors go in one payload, averaged by one allreduce
         dense, encoded = [], []
         for o, g in zip(self.layouts.ordinals(bucket.parameters()), bucket.gradients()):
             if self._factored(g):
@@ -200,10 +202,10 @@ class _CodecEngine(_Engine):
                 self.session.count(g.numel() * 4, g.numel() * 4)
         self._step_buckets["large" if encoded else "float32"] = 1
         payload = torch.cat([*(g.reshape(-1) for g in dense), *(p for _, p, _ in encoded)]).div_(world)
-        fut = dist.all_reduce(payload, group=self.group, async_op=True).get_future()
+        fut = self.comm.flush(payload)
         result: Future = torch.futures.Future()
         self._waiting.append((index, buf, dense, encoded, fut, result))
-        # 2. the last bucket of the step starts its own Q allreduces: nothing comes after it
+        # 2. the last bucket of the step starts the Q round of every bucket: nothing comes after it
         if bucket.is_last():
             self._advance()
         return result
@@ -213,15 +215,16 @@ class _CodecEngine(_Engine):
         return grad.dim() >= 2 and grad.numel() >= self.min_compress_numel
 
     def _advance(self) -> None:
-        """Finish the P allreduces begun, start every Q allreduce (the same order on every rank), and complete each
-        waiting bucket's future once its payload and its Q factors are reduced."""
+        """Finish the P allreduces begun, start one allreduce of every Q factor (the same order on every rank), and
+        complete each waiting bucket's future once its payload and its Q factors are reduced."""
         waiting, self._waiting = self._waiting, []
         if not waiting:
             return
         self.session.advance(self.comm)
+        q_round = self.comm.flush()
         passed = self._passed
         for index, buf, dense, encoded, fut, result in waiting:
-            handles = [ctx.q_handle.future() for _, _, ctx in encoded if ctx.q_handle is not None]
+            handles = [q_round] if q_round is not None and any(ctx.q_handle is not None for _, _, ctx in encoded) else []
 
             def finish(f: Future, index: int = index, buf: torch.Tensor = buf, dense: list = dense,
                        encoded: list = encoded, fut: Future = fut, result: Future = result) -> None:
@@ -301,6 +304,7 @@ class _CodecEngine(_Engine):
             self.layouts = BucketLayouts(session.codec.memory)
 
     def reset(self) -> None:
+        self.comm.discard()
         self._waiting.clear()
         self._step_buckets.clear()
         self._passed.clear()
