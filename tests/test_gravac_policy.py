@@ -655,14 +655,23 @@ def test_a_drift_check_predicts_dense_from_the_settled_cf_s_time_now_not_from_it
 
 def test_a_far_slower_dense_trial_ends_after_two_steps_and_waits_to_be_tried_again() -> None:
     # CF 1000 is slower than CF 100 here (its selection costs more than it saves), so the top of the
-    # ladder says nothing about the link and dense is timed; it is 25x slower: two observations decide.
-    times = {1000.0: 0.03, 100.0: 0.02, 10.0: 0.025, 1.0: 0.5}
+    # ladder says nothing about the link and dense is timed; it is 3.5x slower: two timed observations decide.
+    times = {1000.0: 0.03, 100.0: 0.02, 10.0: 0.025, 1.0: 0.07}
     policy = Ladder()
     plans = drive_ladder(policy, 300, time=lambda cf, t: times[cf])
     cfs = sent(plans)
     # 2 timed observations + 1 untimed (the switch) + 1 of lag
     assert _runs(cfs)[:4] == [(1000.0, 8), (100.0, 6), (10.0, 6), (1.0, 4)]
     assert cfs.count(1.0) == 4 and policy.send_cf == 100.0
+
+
+def test_a_dense_trial_beyond_any_switch_cost_ends_on_its_switch_step() -> None:
+    # As above with dense 25x slower (beyond SWITCH_MARGIN, 4.4x at omega 0.1): its switch step alone decides.
+    times = {1000.0: 0.03, 100.0: 0.02, 10.0: 0.025, 1.0: 0.5}
+    policy = Ladder()
+    cfs = sent(drive_ladder(policy, 300, time=lambda cf, t: times[cf]))
+    assert _runs(cfs)[:4] == [(1000.0, 8), (100.0, 6), (10.0, 6), (1.0, 2)]  # the switch step + 1 of lag
+    assert cfs.count(1.0) == 2 and policy.send_cf == 100.0
 
 
 def test_settled_plans_probe_only_the_cf_they_send() -> None:
@@ -919,14 +928,15 @@ def test_ladder_summary_is_json_serialisable() -> None:
 def test_false_drift_alarms_downward_are_short_and_ever_rarer() -> None:
     # 100 Mbit/s-like (CF 10 three times slower than CF 100) with load that comes and goes: every other
     # 40 steps all steps are 40 % faster, which looks like a faster link to the drift check. Each check
-    # of CF 10 ends after 2 timed steps (+1 untimed, +1 of lag), and each false alarm quadruples the wait.
+    # of CF 10 ends after 2 timed steps (+1 untimed, +1 of lag; on its switch step alone when that falls in a slow
+    # phase: 5x behind), and each false alarm quadruples the wait.
     def time(cf: float, t: int) -> float:
         return {100.0: 0.008, 10.0: 0.024, 1.0: 0.1}[cf] * (0.6 if (t // 40) % 2 else 1.0)
 
     policy = GravacPolicy()
     plans = drive_ladder(policy, 2000, time=time)
     checks = [(cf, n) for cf, n in _runs(sent(plans)[20:]) if cf != 100.0]
-    assert checks and all(c == (10.0, 4) for c in checks)
+    assert checks and all(cf == 10.0 and n in (2, 4) for cf, n in checks)
     assert len(checks) <= 4  # waits of 20, 80, 320, 1280 steps
     assert policy.send_cf == 100.0
 
@@ -1064,14 +1074,15 @@ def test_a_capped_state_saves_and_resumes_and_the_paper_search_ignores_momentum(
 
 def test_under_the_cap_faster_steps_do_not_time_dense_while_it_is_predicted_far_behind() -> None:
     # Seed 1 of the momentum recipe at 300 Mbit/s: settled at CF 10 (42 ms), the steps got 23 % faster (33 ms).
-    # Dense (135 ms) is timed in the first search and at that drift check, each time ended after 3 steps; nothing
-    # above the cap is ever sent.
+    # Dense (135 ms) is timed in the first search, ended after 3 steps, and at that drift check, where it is 4.1x
+    # behind (4.5x with omega's allowance a drift check asks for): ended on its switch step. Nothing above the cap
+    # is ever sent.
     before, after = {100.0: 0.013, 10.0: 0.042, 1.0: 0.135}, {100.0: 0.013, 10.0: 0.033, 1.0: 0.135}
     policy = GravacPolicy()
     policy.expect_momentum()
     sent = _drive_with_momentum(policy, 120, lambda t: 0.9, time=lambda cf: before[cf])
     sent += _drive_with_momentum(policy, 280, lambda t: 0.9, time=lambda cf: after[cf], start=120)
-    assert max(sent) == 10.0 and [n for cf, n in _runs(sent) if cf == 1.0] == [3, 3]
+    assert max(sent) == 10.0 and [n for cf, n in _runs(sent) if cf == 1.0] == [3, 1]
     assert policy.settled and policy.send_cf == 10.0
 
 

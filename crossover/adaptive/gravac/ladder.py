@@ -33,6 +33,7 @@ from crossover.adaptive.gravac.tunables import (
     FIRST_TRIAL_SKIP,
     SHORT_TRIAL_MARGIN,
     SKIP_MARGIN,
+    SWITCH_MARGIN,
     SWITCH_SKIP,
     TIE_BAND,
     TIE_EARLY,
@@ -202,8 +203,8 @@ class LadderSearch:
         return FIRST_TRIAL_SKIP if self.s.windows == 0 else SWITCH_SKIP
 
     def _timed(self, tr: Trial) -> list[float]:
-        """The trial's step times that count."""
-        return tr.times[self._skip():]
+        """The trial's step times that count (its switch step when it was ended on that alone)."""
+        return tr.times[self._skip():] or tr.times
 
     def _trial_length(self, start: int) -> int:
         """Steps a trial runs (unless it is clearly losing): a window; a walk up (a retry, or a check after
@@ -219,12 +220,17 @@ class LadderSearch:
         over the shortest window gives a system throughput short of the best compression throughput by
         more than ``SKIP_MARGIN`` times omega's allowance (its gain could only lower it further), or over
         its first two or three timed steps by more than ``SHORT_TRIAL_MARGIN`` times. A wrong rung then
-        costs a few steps, not a whole window (a dense window on a slow link is long)."""
+        costs a few steps, not a whole window (a dense window on a slow link is long); a rung further behind
+        still (``SWITCH_MARGIN``) costs its switch step alone."""
         s = self.s
-        times = self._timed(tr)
-        if s.best is None or s.tie is not None or len(times) < 2:
+        if s.best is None or s.tie is not None:
             return False
+        times = self._timed(tr)
         rate = tr.samples / len(tr.times) / step_time(times)
+        if len(tr.times) <= self._skip():  # the switch step alone: only a loss no switch could cost ends it
+            return s.windows > 0 and rate * SWITCH_MARGIN * (1.0 + self._omega) < s.best_rate
+        if len(times) < 2:
+            return False
         if s.drift_from is not None and s.direction < 0:
             # A drift check downward must find a CF at least as fast as the settled one is now (best_rate
             # is that throughput x (1 + omega)): two steps slower by more than omega end it.
