@@ -224,7 +224,8 @@ class _CodecEngine(_Engine):
         q_round = self.comm.flush()
         passed = self._passed
         for index, buf, dense, encoded, fut, result in waiting:
-            handles = [q_round] if q_round is not None and any(ctx.q_handle is not None for _, _, ctx in encoded) else []
+            factored = q_round is not None and any(ctx.q_handle is not None for _, _, ctx in encoded)
+            handles = [q_round] if factored else []
 
             def finish(f: Future, index: int = index, buf: torch.Tensor = buf, dense: list = dense,
                        encoded: list = encoded, fut: Future = fut, result: Future = result) -> None:
