@@ -4,7 +4,7 @@ Every method (dense, static top-k at a CF, ``AdaptiveCompression()`` with its de
 digits MLP (64-1024-1024-10) in the same 2 Horovod processes, from the same start on the same batches, step by
 step in turn, with the optimizer the command names; the test accuracy is taken at the end of every epoch and, as
 the robust "final", averaged over the last 10 % of the steps (360 test images: one image is 0.28 points).
-This is how docs/accuracy.md chose the momentum cap of the defaults; tests/test_accuracy_hvd.py runs one case.
+This is how docs/accuracy.md chose the momentum cap of the defaults; tests/hvd/test_accuracy_hvd.py runs one case.
 
     python -m benchmarks.accuracy_curves --methods dense,topk:10,topk:100,gravac --seeds 0 1 2 --momentum 0.9
     python -m benchmarks.accuracy_curves --optimizer adam --lr 0.001 --methods dense,topk:100

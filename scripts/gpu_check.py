@@ -8,8 +8,8 @@ Stages (each writes what it saw; a failing stage does not stop the next):
 
 * ``env``: GPU, driver, torch / CUDA / Triton versions, C compiler, whether crossover's C kernels
   built and whether its Triton kernels for CUDA tensors compiled and passed their check;
-* ``tests``: the CUDA tests (tests/test_cuda.py, tests/test_triton_kernels.py, the CUDA cases of
-  tests/test_kernels.py and tests/test_quantizer.py, the DDP hook with 2 Gloo ranks on one GPU), and
+* ``tests``: the CUDA tests (tests/unit/test_cuda.py, tests/unit/test_triton_kernels.py, the CUDA cases of
+  tests/unit/test_kernels.py and tests/unit/test_quantizer.py, the DDP hook with 2 Gloo ranks on one GPU), and
   a probe of NCCL with two ranks on the one GPU (NCCL refuses that);
 * ``bench``: benchmarks/bench_gpu.py (compress + decompress of a 25 M-element CUDA gradient as
   multiples of a GPU read pass);
@@ -18,7 +18,7 @@ Stages (each writes what it saw; a failing stage does not stop the next):
 * ``horovod``: builds Horovod 0.28.1 with CUDA from the sdist (``--sdist``, no download) with the
   project's fixes (scripts/build_horovod.py), started in the background at the beginning on cores
   of its own (Horovod's setup needs ``cffi``: ``--wheels DIR`` installs it from wheels in DIR),
-  then ``horovodrun --check-build`` and tests/test_cuda_hvd.py (2 Horovod ranks on the one GPU,
+  then ``horovodrun --check-build`` and tests/hvd/test_cuda_hvd.py (2 Horovod ranks on the one GPU,
   every compression object). The build has CUDA support and uses NCCL for alltoall only, so
   CUDA tensors' allreduce, allgather and broadcast go through host memory over Gloo: two ranks can
   share one GPU, which NCCL refuses.
@@ -181,9 +181,9 @@ def stage_tests(out: Path, deadline: float, cpu: str, which: list[str]) -> dict[
     xdist = ["-n", "4"] if _has_module("xdist") else []
     res: dict[str, Any] = {}
     groups = {
-        "cuda_unit": ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_kernels.py",
-                      "tests/test_quantizer.py", *xdist],
-        "ddp_one_gpu": ["tests/test_ddp_hook.py", "-k", "gloo_two_ranks_on_one_gpu or nccl"],
+        "cuda_unit": ["tests/unit/test_cuda.py", "tests/unit/test_triton_kernels.py", "tests/unit/test_kernels.py",
+                      "tests/unit/test_quantizer.py", *xdist],
+        "ddp_one_gpu": ["tests/ddp/test_ddp_hook.py", "-k", "gloo_two_ranks_on_one_gpu or nccl"],
     }
     for name, args in groups.items():
         if name not in which:
@@ -324,7 +324,7 @@ def finish_horovod(proc: subprocess.Popen | None, info: dict[str, Any], outdir: 
                               outdir / "horovod.txt", 60)
     left = deadline - elapsed()
     if left > 45:
-        r = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda_hvd.py"],
+        r = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/hvd/test_cuda_hvd.py"],
                 outdir / "horovod.txt", left - 15, cores=cpu)
         r["summary"] = next((ln for ln in reversed(r["tail"]) if re.search(r"passed|failed|error|skipped", ln)), "")
         info["test_cuda_hvd"] = r

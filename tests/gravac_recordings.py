@@ -1,4 +1,4 @@
-"""Recorded GraVAC observation sequences for the replay test (``tests/test_gravac_replay.py``).
+"""Recorded GraVAC observation sequences for the replay test (``tests/unit/test_gravac_replay.py``).
 
 Each scenario drives a :class:`GravacPolicy` in a closed loop against a small synthetic job (compute time,
 communication shrinking with the CF, noise, pauses, a link that changes speed mid-run, gains that grow while a

@@ -1,4 +1,4 @@
-"""One worker of the elastic job of tests/test_elastic_hvd.py: shrink from 2 workers to 1, grow back to 2.
+"""One worker of the elastic job of tests/hvd/test_elastic_hvd.py: shrink from 2 workers to 1, grow back to 2.
 
 Run by `horovodrun --min-np 1 --max-np 2 --host-discovery-script <script>`; the script prints the
 content of `<workdir>/hosts`, which rank 0 rewrites itself at fixed points of training (so the test

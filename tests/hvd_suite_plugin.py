@@ -1,6 +1,6 @@
 """pytest plugin for Horovod's own test/parallel/test_torch.py with crossover compression injected.
 
-Loaded with `-p hvd_suite_plugin` inside each rank of a `horovodrun` job (tests/test_horovod_suite.py).
+Loaded with `-p hvd_suite_plugin` inside each rank of a `horovodrun` job (tests/hvd/test_horovod_suite.py).
 `CROSSOVER_SUITE_COMPRESSION` picks what every `hvd.DistributedOptimizer` gets where the test leaves
 the default (`hvd.Compression.none`): `none` (stock, nothing patched), `static`
 (`StaticCompression("topk", cf=4, min_compress_numel=1)`) or `adaptive` (`AdaptiveCompression(

@@ -1,4 +1,4 @@
-"""A horovod.tensorflow script that imports crossover first (tests/test_tensorflow_usage.py).
+"""A horovod.tensorflow script that imports crossover first (tests/tf/test_tensorflow_usage.py).
 
 `from crossover import ...` comes before `import horovod.tensorflow`, and one object ("early") is even
 built before it: every object must end up a horovod.tensorflow one, torch must never be imported, and

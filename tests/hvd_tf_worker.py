@@ -1,4 +1,4 @@
-"""Rank-side entry for TensorFlow jobs (tests/test_tensorflow_hvd.py): init horovod.tensorflow, run, report.
+"""Rank-side entry for TensorFlow jobs (tests/tf/test_tensorflow_hvd.py): init horovod.tensorflow, run, report.
 
 Like hvd_worker.py but without importing torch: `hvd_tf_worker.py MODULE_FILE FUNCTION JSON_ARGS`.
 """

@@ -1,5 +1,5 @@
 """A horovod.torch script that imports crossover and builds its object before torch and Horovod
-(tests/test_import_order_hvd.py): the object decides the framework at its first compress.
+(tests/hvd/test_import_order_hvd.py): the object decides the framework at its first compress.
 
 Trains the same model twice on every rank, once with that "early" object and once with one built
 after `import horovod.torch` ("late", the horovod.torch class itself), and reports both runs.

@@ -55,7 +55,7 @@ epsilon / T. Clamping at b_min spends less than the share (the bits cannot go lo
 b_max spends more (``summary()['budget_spent']`` tracks the bound's quantization term as it is spent,
 with the bits actually used). The equal split is exactly optimal for the continuous relaxation on
 one branch; with integer bits it is within one bit per step of the optimum (checked against a brute
-force in tests/test_dqsgd_policy.py).
+force in tests/unit/test_dqsgd_policy.py).
 
 Inputs, as the caller must compute them (plain numbers, identical on every rank):
 ``grad_sq_norm``: the squared norm that multiplies q(s) in the variance of the update applied: for a

@@ -1,7 +1,7 @@
 """Every tunable number of the GraVAC policy, each with the one-line reason for its value.
 
 The measurements behind them are in docs/gravac-tunables.md and the run histories under reports/history/.
-Change one here, run ``tests/test_gravac_replay.py`` (it then fails: regenerate the recordings with
+Change one here, run ``tests/unit/test_gravac_replay.py`` (it then fails: regenerate the recordings with
 ``python tests/gravac_recordings.py`` and say in the commit which decisions changed and why), and re-run the
 benchmark matrix (reports/benchmarks-tta.md).
 """

@@ -16,7 +16,7 @@ from benchmarks import cli, registry, report, run_all
 from benchmarks.datasets import DataError, WindowText, check_data, load_dataset, read_pydoc
 from benchmarks.models import TransformerLM, build_model, count_parameters
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ model

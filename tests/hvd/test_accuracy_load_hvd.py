@@ -2,12 +2,12 @@
 
 Before the momentum cap, the digits MLP with SGD momentum 0.9 settled CF 100 on a loaded machine and ended 2.8
 points under dense, while on a quiet one it settled dense and matched it. Load changes step times, and step times
-choose the CF; what must not change is where training ends. This runs the job of tests/test_accuracy_hvd.py
+choose the CF; what must not change is where training ends. This runs the job of tests/hvd/test_accuracy_hvd.py
 (dense and ``AdaptiveCompression()`` side by side on 3 seeds, real 2-rank Horovod) twice: quiet, then with one
 busy process per core beside it, and checks that the defaults end within the bound of dense both times and that
 the two runs' median finals differ by no more than that bound (dense's own seed-to-seed spread, or 0.5 point).
 
-Slow (about 10 to 15 minutes on 2 cores): ``make test-all`` or ``pytest -m slow tests/test_accuracy_load_hvd.py``.
+Slow (about 10 to 15 minutes on 2 cores): ``make test-all`` or ``pytest -m slow tests/hvd/test_accuracy_load_hvd.py``.
 """
 
 from __future__ import annotations

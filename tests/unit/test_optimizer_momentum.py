@@ -92,7 +92,7 @@ def test_the_momentum_setting_takes_zero_to_one():
 
 
 def test_hosts_that_cannot_see_the_optimizer_assume_the_commonest_momentum():
-    # A DDP hook and a gradient tape report UNKNOWN_MOMENTUM unless told (tests/test_ddp_hook.py runs it in a real
+    # A DDP hook and a gradient tape report UNKNOWN_MOMENTUM unless told (tests/ddp/test_ddp_hook.py runs it in a real
     # job): uncapped, the commonest recipes (SGD momentum 0.9, Adam's beta1 0.9) lost 2 points; momentum=0 is how a
     # plain-SGD user lifts the cap.
     from crossover.adaptive.gravac.ladder import momentum_cap

@@ -13,7 +13,7 @@ from hvd_harness import run_script
 
 
 def test_object_built_before_horovod_torch_is_the_torch_object_at_first_use():
-    res = run_script(Path(__file__).with_name("hvd_torch_import_order.py"), np=2, timeout=180)
+    res = run_script((Path(__file__).resolve().parents[1] / "hvd_torch_import_order.py"), np=2, timeout=180)
     for r in res:
         assert r["built_before"] == "horovod_ext._dispatch", r  # nothing known yet: decided later
         assert r["late_module"] == "horovod_ext.torch_compression"
@@ -37,7 +37,7 @@ def test_names_before_any_framework_import_nothing_and_say_how_to_choose():
             "except RuntimeError as exc:\n"
             "    print(type(q).__module__, '|', exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     module, msg = proc.stdout.split("|", 1)
     assert module.strip() == "horovod_ext._dispatch"

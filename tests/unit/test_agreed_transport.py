@@ -1,7 +1,7 @@
 """The agreed index set transport (crossover/compression/agreed.py) with N simulated ranks in one process.
 
-The test plays the host as tests/test_driver_sim.py does: every rank's encode, the reduction (sum or average),
-every rank's decode. Real multi-process jobs: tests/test_agreed_hvd.py (Horovod) and tests/test_ddp_hook.py.
+The test plays the host as tests/unit/test_driver_sim.py does: every rank's encode, the reduction (sum or average),
+every rank's decode. Real multi-process jobs: tests/hvd/test_agreed_hvd.py (Horovod) and tests/ddp/test_ddp_hook.py.
 """
 
 from __future__ import annotations

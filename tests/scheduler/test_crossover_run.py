@@ -33,7 +33,7 @@ from sched_harness import TELEMETRY_OF_THREE_STEPS, stand_in_horovodrun
 
 from crossover.scheduler import telemetry
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, "-m", "crossover.scheduler.run"]
 HVD = ["-np", "2", "-H", "localhost:2", "--gloo"]
 

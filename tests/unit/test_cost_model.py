@@ -1,5 +1,5 @@
 """The cost model: ring collectives' bytes and rounds, every transport from 2 to 1 024 workers, the choice rule and
-the table generator (agreement with what the codec hands over: tests/test_agreed_transport.py)."""
+the table generator (agreement with what the codec hands over: tests/unit/test_agreed_transport.py)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_fp16_built_inside_tf_function_works_and_stateful_objects_say_build_outs
 
 
 def test_crossover_imported_before_horovod_tensorflow_gives_the_tensorflow_objects():
-    res = run_script(Path(__file__).with_name("hvd_tf_import_order.py"), np=2, timeout=300, env=QUIET)
+    res = run_script((Path(__file__).resolve().parents[1] / "hvd_tf_import_order.py"), np=2, timeout=300, env=QUIET)
     for r in res:
         assert not r["torch_imported"], "a TensorFlow script must not import torch"
         assert r["modules"] == {"early": "horovod_ext.tf_compression", "late": "horovod_ext.tf_compression",

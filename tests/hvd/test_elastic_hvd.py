@@ -21,7 +21,7 @@ from hvd_harness import REPO, HorovodJobError, horovodrun_bin, run_function
 
 from crossover import procgroup
 
-WORKER = Path(__file__).with_name("hvd_elastic_worker.py")
+WORKER = (Path(__file__).resolve().parents[1] / "hvd_elastic_worker.py")
 
 
 def run_elastic(tmp_path: Path, mode: str, policy: str, timeout: float) -> tuple[list[dict], str]:

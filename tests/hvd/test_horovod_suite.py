@@ -10,7 +10,7 @@ Horovod's tests are not vendored here, and the PyPI sdist of horovod 0.28.1 does
 https://github.com/horovod/horovod`); otherwise the file is downloaded from GitHub, and the test is
 skipped with the reason when neither works. One horovodrun job per test and mode (a test that aborts
 a rank under Horovod's own repeated `hvd.init()` cannot take the others down): about 10 minutes on
-2 cores, marked slow. `python tests/test_horovod_suite.py DIR` prints the table.
+2 cores, marked slow. `python tests/hvd/test_horovod_suite.py DIR` prints the table.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_horovod_optimizer_tests_pass_with_our_compression():
             assert ours == outcome, f"{test}: {outcome} with none, {ours} with {mode}\n{table}"
 
 
-if __name__ == "__main__":  # python tests/test_horovod_suite.py DIR [MODE...]: print the table
+if __name__ == "__main__":  # python tests/hvd/test_horovod_suite.py DIR [MODE...]: print the table
     logging.basicConfig(level=logging.WARNING)
     modes = tuple(sys.argv[2:]) or ("none", "static", "adaptive")
     with tempfile.TemporaryDirectory(prefix="xo-hvd-suite-") as tmp:

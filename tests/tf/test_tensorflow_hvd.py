@@ -21,7 +21,7 @@ from hvd_harness import run_script
 
 from crossover.compression.wire import SparseStatsLayout
 
-WORKER = Path(__file__).with_name("hvd_tf_worker.py")
+WORKER = (Path(__file__).resolve().parents[1] / "hvd_tf_worker.py")
 N = 50_000  # elements of the test variable (above min_compress_numel)
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
@@ -402,7 +402,7 @@ for name, make in bad.items():
 print(json.dumps(out))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **QUIET}, cwd=Path(__file__).resolve().parent.parent)
+                          env={**os.environ, **QUIET}, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(v != "accepted" for v in out.values()), out
@@ -414,7 +414,7 @@ def test_import_does_not_need_torch():
             "assert 'torch' not in sys.modules, 'importing crossover.tensorflow imported torch'\n"
             "print(x.AdaptiveCompression.__module__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **QUIET}, cwd=Path(__file__).resolve().parent.parent)
+                          env={**os.environ, **QUIET}, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("horovod_ext.tf_compression")
 
@@ -425,7 +425,7 @@ def test_same_import_as_torch_gives_the_tensorflow_objects():
             "assert 'torch' not in sys.modules, 'from crossover import ... imported torch in a TF script'\n"
             "print(AdaptiveCompression.__module__, QSGDCompression.__module__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **QUIET}, cwd=Path(__file__).resolve().parent.parent)
+                          env={**os.environ, **QUIET}, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["horovod_ext.tf_compression", "horovod_ext.tf_quantization"]
 
@@ -499,7 +499,7 @@ def digits_job(epochs):
 
     dense = train_digits_tf(None, epochs)
     # The paper search decides on gains alone, so it compresses on loopback too; the default ladder decides
-    # by step time, and on loopback dense is a fair choice (tests/test_defaults_hvd.py covers the defaults).
+    # by step time, and on loopback dense is a fair choice (tests/hvd/test_defaults_hvd.py covers the defaults).
     adaptive = train_digits_tf(AdaptiveCompression("topk", search="paper", gain="norm", cf_min=30, cf_max=1000,
                                                    epsilon=0.15, window=100, min_compress_numel=4096), epochs)
     return {"dense": dense, "adaptive": adaptive}
@@ -567,7 +567,7 @@ except xt.KerasVersionError as exc:
 """
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**env, **QUIET}, cwd=Path(__file__).resolve().parent.parent)
+                          env={**env, **QUIET}, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "TF_USE_LEGACY_KERAS=1" in proc.stdout and "tf-keras" in proc.stdout
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "crossover", "horovod_ext", "benchmarks")
 TOP_LEVEL = {"crossover", "crossover_bench", "horovod_ext"}
 

@@ -211,7 +211,7 @@ def job_small_bucket_inf(steps: int, poison_step: int) -> dict:
 
 
 def test_inf_in_a_passed_through_bucket_counts_and_leaves_no_trace():
-    """As with Horovod (tests/test_hardening_hvd.py): skipped on every rank, counted once on every rank,
+    """As with Horovod (tests/hvd/test_hardening_hvd.py): skipped on every rank, counted once on every rank,
     not observed by the policy, the compressed buckets' residuals forget the step; same weights everywhere."""
     steps, poison = 8, 3
     r0, r1 = run_ddp(job_small_bucket_inf, args=(steps, poison), timeout=240)

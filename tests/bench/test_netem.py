@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks import netem
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RATE = "200mbit"
 RATE_BITS = 200e6
 

@@ -1,6 +1,6 @@
 """Issue 27, compression side, in this process: hostile or careless values given to the compression
-objects' settings, CSV log and saved states (the multi-rank halves are in tests/test_hardening_hvd.py
-and tests/test_ddp_hook.py)."""
+objects' settings, CSV log and saved states (the multi-rank halves are in tests/hvd/test_hardening_hvd.py
+and tests/ddp/test_ddp_hook.py)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_log_csv_gives_up_on_a_directory_full_of_decoys(tmp_path, warnings_of, m
 
 
 def test_log_csv_io_error_stops_the_log_with_one_warning(tmp_path, warnings_of):
-    """ENOSPC in the middle of a run (the real full disk is in tests/test_hardening_hvd.py): the driver
+    """ENOSPC in the middle of a run (the real full disk is in tests/hvd/test_hardening_hvd.py): the driver
     keeps stepping and observing, one warning, later rows are not attempted."""
     said = warnings_of("crossover.driver")
     drv = SparseStepDriver(StaticPolicy(cf=4.0), compressor="topk", seed=0, log_csv=str(tmp_path / "g.csv"))
@@ -157,7 +157,7 @@ def test_log_csv_copy_never_shares_the_open_file(tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # item 6: the DDP state checks a checkpoint before it applies any of it (no process group needed here;
-# the real 2-process job is tests/test_hardening_ddp.py)
+# the real 2-process job is tests/ddp/test_hardening_ddp.py)
 # ------------------------------------------------------------------------------------------------
 def _ddp_state_with_params():
     from crossover.ddp import AdaptiveState
@@ -515,7 +515,7 @@ def _construct(first: str, exprs: list[str]) -> dict:
     from pathlib import Path
 
     proc = subprocess.run([sys.executable, "-c", _CONSTRUCT.format(first=first), json.dumps(exprs)],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REEXPORTS = {"crossover/__init__.py", "crossover/tensorflow.py", "crossover/elastic.py"}
 LAZY_REEXPORTS = {"crossover/__init__.py", "crossover/elastic.py"}
 PUBLIC_MODULES = {"crossover", "crossover.tensorflow", "crossover.elastic"}  # the modules of REEXPORTS

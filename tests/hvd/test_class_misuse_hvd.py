@@ -3,7 +3,7 @@
 Real 2-rank horovod.torch jobs: every crossover compression class given to `hvd.DistributedOptimizer`
 is refused when the optimizer is built, with a message naming `Name()`; where the constructor was
 bound before crossover's glue (no guard), the first backward raises the same message, not an
-AttributeError. The instance form keeps working. TensorFlow: tests/test_tensorflow_hvd.py.
+AttributeError. The instance form keeps working. TensorFlow: tests/tf/test_tensorflow_hvd.py.
 """
 
 from __future__ import annotations

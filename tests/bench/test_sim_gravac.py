@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import sim_gravac
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_runs_as_a_script() -> None:

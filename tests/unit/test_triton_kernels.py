@@ -2,7 +2,7 @@
 
 On a GPU machine they run compiled, on CUDA tensors. Without CUDA but with Triton installed they run
 in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here before the module is
-imported), which checks the kernels' logic but not the compiler's arithmetic (tests/test_cuda.py
+imported), which checks the kernels' logic but not the compiler's arithmetic (tests/unit/test_cuda.py
 does that on a GPU). Without either they are skipped.
 """
 

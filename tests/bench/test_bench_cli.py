@@ -22,7 +22,7 @@ import pytest
 from benchmarks import cli, netem, report, sample_data
 from benchmarks.optim import lr_factor
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
