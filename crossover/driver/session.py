@@ -17,6 +17,7 @@ takes the decided transport and never calls back up.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import torch
 from crossover.compression.agreed import sets_from_state
 from crossover.compression.agreement import RanksDisagree
 from crossover.compression.collectives import Collectives
+from crossover.compression.cost_model import AGREED, SCATTER
 from crossover.compression.lowrank_codec import LowRankCodec
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.selectors import make_selector
@@ -35,6 +37,8 @@ from crossover.driver import transport
 from crossover.driver.quant import QuantStepDriver
 from crossover.driver.settings import check_momentum, lr_at, optimizer_momentum
 from crossover.driver.sparse import SparseStepDriver
+
+log = logging.getLogger("crossover.driver")
 
 __all__ = ["AUTO", "LOWRANK", "LowRankSession", "QuantSession", "SparseSession", "StepSession", "cf_session",
            "check_compressor"]
@@ -426,6 +430,11 @@ def cf_session(compressor: str, policy: Any, *, error_feedback: bool, seed: int,
     top-k session whose `for_optimizer` picks the family at the first step."""
     if compressor == AUTO:
         def rebuild(family: str, transport: str | None = transport) -> SparseSession:
+            if family == LOWRANK and transport in (AGREED, SCATTER):
+                log.warning("crossover: the optimizer's momentum picked low rank (compressor='auto'), which sends by "
+                            "allreduce: transport=%r is top-k's and goes unused; pass compressor='topk' to keep it",
+                            transport)
+                transport = None
             return cf_session(family, policy, error_feedback=error_feedback, seed=seed, log_csv=log_csv, rank=rank,
                               transport=transport, alltoall=alltoall, fixed_gather=fixed_gather,
                               dense_stats_apart=dense_stats_apart, momentum=momentum,
@@ -437,6 +446,10 @@ def cf_session(compressor: str, policy: Any, *, error_feedback: bool, seed: int,
             session.attach_tensorboard(tensorboard, rank)
         return session
     if compressor == LOWRANK:
+        if transport in (AGREED, SCATTER):
+            raise ValueError(f"transport={transport!r} is how top-k's selections travel; low rank "
+                             "(compressor='powersgd') sends its factors by allreduce: leave transport= out, or pick "
+                             "compressor='topk'")
         codec: Any = LowRankCodec(error_feedback=error_feedback, seed=seed)
         cls, transport = LowRankSession, None
     else:

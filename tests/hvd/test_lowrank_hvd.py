@@ -66,21 +66,36 @@ def ddp_job(epochs: int) -> dict:
     Gloo): dense, then low rank at CF 10, then a checkpoint of the low-rank state loaded into a new hook."""
 
     import torch
+    import torch.distributed as dist
     from ddp_harness import digits_run
 
     from crossover.ddp import AdaptiveState, adaptive_hook
 
     out = {}
+    all_reduce = dist.all_reduce
     for name in ("dense", "lowrank"):
         state = AdaptiveState(policy="static", compressor="powersgd", cf=10) if name == "lowrank" else None
-        buckets = set()
+        buckets, per_step = set(), []
 
-        def counting(st, bucket, seen=buckets):  # noqa: ANN001 - DDP's hook signature
+        def counting(st, bucket, seen=buckets, per_step=per_step):  # noqa: ANN001 - DDP's hook signature
             seen.add(bucket.index())
+            if bucket.index() == 0:
+                per_step.append(0)
             return adaptive_hook(st, bucket)
 
-        run = digits_run(state, epochs, 512, lr=0.02, momentum=0.9, bucket_cap_mb=0.5, hook=counting)
-        out[name] = {"accuracy": run["accuracy"], "digest": run["digest"], "buckets": len(buckets)}
+        def counted(*args, per_step=per_step, **kw):  # noqa: ANN002, ANN003 - all_reduce's own signature
+            if per_step:
+                per_step[-1] += 1
+            return all_reduce(*args, **kw)
+
+        dist.all_reduce = counted  # the hook's collectives, counted per step (the hook calls dist.all_reduce)
+        try:
+            run = digits_run(state, epochs, 512, lr=0.02, momentum=0.9, bucket_cap_mb=0.5, hook=counting)
+        finally:
+            dist.all_reduce = all_reduce
+        steady = sorted(per_step[1:])  # the steps after the first (DDP rebuilds its buckets after it)
+        out[name] = {"accuracy": run["accuracy"], "digest": run["digest"], "buckets": len(buckets),
+                     "allreduces": steady[len(steady) // 2] if steady else None}  # a median step's
         if state is not None:
             st = state.stats()
             out[name]["ratio"] = st["bytes_dense"] / st["bytes_sent"]
@@ -104,6 +119,8 @@ def test_ddp_hook_low_rank_with_several_buckets_on_gloo():
         assert lr["ratio"] >= 5, lr
         assert lr["residuals"] >= 2 and lr["reloaded"]  # one residual per matrix, checkpointed by ordinal
         assert lr["buckets"] >= 2  # several buckets a step: their collectives must not interleave
+        # one allreduce a bucket (its payload and P factors), one for every bucket's Q factors
+        assert lr["allreduces"] == lr["buckets"] + 1, lr
     assert res[0]["lowrank"]["digest"] == res[1]["lowrank"]["digest"]  # every rank applied the same update
 
 

@@ -2,7 +2,8 @@
 
 Where a rank's k selected entries are dense enough (about CF < 32), they travel as a bitmap of the tensor and the
 values in index order instead of (index, value) pairs. The real multi-rank jobs that cover it are the Horovod and
-DDP tests at CF 10 (tests/hvd/test_grouped_hvd.py, tests/ddp/test_ddp_hook.py); here the format's maths and its refusals.
+DDP tests at CF 10 (tests/hvd/test_grouped_hvd.py, tests/ddp/test_ddp_hook.py); here the format's maths and its
+refusals.
 """
 
 from __future__ import annotations

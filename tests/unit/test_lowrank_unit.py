@@ -3,6 +3,7 @@ every rank applies the same average, error feedback loses nothing, a full rank i
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -238,12 +239,31 @@ def test_a_checkpoint_keeps_the_matrices_the_one_rank_is_sized_on():
     assert resumed.driver.step == state["step"]  # refused: nothing changed
 
 
-def _auto(momentum: float | None = None, unknown: float = 0.0, tensorboard: object = None):
+def _auto(momentum: float | None = None, unknown: float = 0.0, tensorboard: object = None,
+          transport: str = "allgather"):
     from crossover.adaptive.gravac import GravacPolicy
 
     return cf_session(AUTO, GravacPolicy(), error_feedback=True, seed=3, log_csv=None, rank=lambda: 0,
-                      transport="allgather", alltoall=True, fixed_gather=True, momentum=momentum,
+                      transport=transport, alltoall=True, fixed_gather=True, momentum=momentum,
                       unknown_momentum=unknown, clock=lambda: 0.0, tensorboard=tensorboard)
+
+
+@pytest.mark.parametrize("transport", ["agreed", "scatter"])
+def test_a_top_k_transport_with_low_rank_is_refused_or_said(transport, caplog):
+    from crossover import StaticCompression
+    from crossover.ddp import AdaptiveState
+
+    with pytest.raises(ValueError, match=f"transport='{transport}' is how top-k's selections travel"):
+        StaticCompression("powersgd", cf=10, transport=transport)
+    if transport == "agreed":  # the DDP hook has no alltoall (no scatter)
+        with pytest.raises(ValueError, match="low rank"):
+            AdaptiveState(compressor="powersgd", transport=transport)
+    session = _auto(transport=transport)  # "auto": the family is not known before the first step
+    with caplog.at_level(logging.WARNING, logger="crossover.driver"):
+        chosen = session.for_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9))
+    assert chosen.driver.compressor == LOWRANK
+    assert any(f"transport='{transport}' is top-k's and goes unused" in r.getMessage() for r in caplog.records)
+    assert _auto(transport=transport).for_optimizer(None).driver.compressor == "topk"  # kept where top-k runs
 
 
 @pytest.mark.parametrize(("opt", "setting", "unknown", "family"), [
