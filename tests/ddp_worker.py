@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 def main() -> None:
     path, name, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    sys.path.insert(0, str(Path(path).resolve().parent))  # its folder: it may import a sibling test module
     spec = importlib.util.spec_from_file_location("_xo_ddp_test_module", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -19,6 +19,8 @@ def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(2)
     import horovod.tensorflow as hvd
 
+    sys.path.insert(0, str(Path(path).resolve().parent))  # its folder: it may import a sibling test module
+
     spec = importlib.util.spec_from_file_location("_xo_tf_test_module", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
