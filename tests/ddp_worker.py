@@ -2,7 +2,6 @@
 one GPU per rank), call the function, write its result."""
 
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -10,14 +9,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from hvd_harness import load_test_module
 
 
 def main() -> None:
     path, name, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    sys.path.insert(0, str(Path(path).resolve().parent))  # its folder: it may import a sibling test module
-    spec = importlib.util.spec_from_file_location("_xo_ddp_test_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_test_module(path, "_xo_ddp_test_module")
     torch.set_num_threads(1)
     backend = os.environ.get("CROSSOVER_DDP_BACKEND", "gloo")
     if backend == "nccl":

@@ -33,6 +33,18 @@ def horovodrun_bin() -> str:
     return str(exe) if exe.exists() else "horovodrun"
 
 
+def load_test_module(path: str, name: str) -> Any:
+    """Called inside a rank: the test file at `path` as module `name`, its folder on the path (it may import a sibling
+    test module)."""
+    import importlib.util
+
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_result(obj: Any) -> None:
     """Called inside a rank: store this rank's JSON result for the harness."""
     import horovod.torch as hvd

@@ -3,7 +3,6 @@
 Like hvd_worker.py but without importing torch: `hvd_tf_worker.py MODULE_FILE FUNCTION JSON_ARGS`.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -18,12 +17,9 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     import horovod.tensorflow as hvd
+    from hvd_harness import load_test_module
 
-    sys.path.insert(0, str(Path(path).resolve().parent))  # its folder: it may import a sibling test module
-
-    spec = importlib.util.spec_from_file_location("_xo_tf_test_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_test_module(path, "_xo_tf_test_module")
     hvd.init()
     result = getattr(module, name)(*args)
     out = Path(os.environ["CROSSOVER_RESULT_DIR"]) / f"rank{hvd.rank()}.json"
