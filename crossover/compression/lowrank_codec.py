@@ -18,7 +18,7 @@ The rank comes from the plan's compression factor, one rank for every matrix as 
 factors of all the matrices of the steps before send 1/cf of them, at least 1, and for each matrix at most what
 still shrinks it 2x (the first step, with the matrices not yet known, sizes each on its own). Sized each on its own,
 a small matrix fell to rank 1: on the MNIST CNN under momentum fixed CF 30 ended 1.30 points under dense, 0.37 with
-one rank (3 seeds; docs/compression.md). A tensor that rank 1 does not shrink by at least 2x goes dense. The CFs a
+one rank (3 seeds). A tensor that rank 1 does not shrink by at least 2x goes dense. The CFs a
 plan probes are measured on the same Q (of the largest rank among them): what rank r keeps of M is ||M Q[:, :r]||^2,
 which GraVAC compares as it compares top-k's levels.
 """

@@ -36,7 +36,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass
 class GatherHandle:
-    """An allgather in flight: its future, the output buffer, and per-rank row counts when they differ."""
+    """An allgather in flight, or an allreduce queued or in flight: its future, the output buffer, and per-rank row
+    counts when they differ."""
 
     fut: torch.futures.Future | None  # None: an allreduce queued, not yet started (`TorchDistCollectives.flush`)
     out: torch.Tensor
