@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -73,15 +75,57 @@ def load_library(path: str, signatures: Mapping[str, list], warn: Warn, what: st
         return None
 
 
-class LazyLibrary:
-    """A C library built and loaded on first use, once per process (thread-safe); None if that failed."""
+def cache_dir() -> Path:
+    """Directory holding compiled libraries: $CROSSOVER_CACHE/kernels or ~/.cache/crossover/kernels."""
+    root = os.environ.get("CROSSOVER_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "crossover"
+    return base / "kernels"
 
-    def __init__(self, build: Callable[[], str | None], signatures: Mapping[str, list], warn: Warn,
-                 what: str) -> None:
-        self._build, self._signatures, self._warn, self._what = build, signatures, warn, what
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc, else gcc (None if none is on the PATH)."""
+    for cand in (os.environ.get("CC"), "cc", "gcc"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+class LazyLibrary:
+    """One C source, built into the cache and loaded on first use, once per process (thread-safe).
+
+    ``active()`` is the library unless it failed to build or load, ``enabled`` was set False (the
+    module's ``use_kernels``), the ``parent`` library is disabled, or ``$CROSSOVER_NO_KERNELS`` is set
+    (read at each call); callers then take their torch fallbacks. A failure is warned once.
+    """
+
+    def __init__(self, source: Path, stem: str, cflags: Sequence[str], signatures: Mapping[str, list],
+                 what: str, log: logging.Logger, parent: LazyLibrary | None = None) -> None:
+        self.source, self.stem, self.cflags, self.what = source, stem, tuple(cflags), what
+        self._signatures, self._log, self._parent = signatures, log, parent
+        self.enabled = True
+        self.warned = False
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
+
+    def warn_once(self, msg: str) -> None:
+        """Log `msg` as the reason for the fallback, the first time only."""
+        if not self.warned:
+            self.warned = True
+            self._log.warning("%s; crossover runs pure-torch fallbacks instead of the %s (slower)", msg, self.what)
+
+    def path(self) -> Path:
+        """Where the library for the current source, flags and machine lives (built or not)."""
+        return library_path(cache_dir(), self.stem, self.source, self.cflags)
+
+    def build(self) -> str | None:
+        """Compile the source into the cache unless already there; the library path or None (warned)."""
+        try:
+            target = self.path()
+        except OSError as e:
+            self.warn_once(f"cannot read the source {self.source}: {e}")
+            return None
+        return compile_library(self.source, target, compiler(), self.cflags, self.warn_once, self.what)
 
     def get(self) -> ctypes.CDLL | None:
         """The loaded library, building it the first time."""
@@ -89,8 +133,18 @@ class LazyLibrary:
             return self._lib
         with self._lock:
             if not self._tried:
-                path = self._build()
+                path = self.build()
                 if path is not None:
-                    self._lib = load_library(path, self._signatures, self._warn, self._what)
+                    self._lib = load_library(path, self._signatures, self.warn_once, self.what)
                 self._tried = True
             return self._lib
+
+    def on(self) -> bool:
+        """Enabled here, in the parent, and not turned off by $CROSSOVER_NO_KERNELS."""
+        if not self.enabled or (self._parent is not None and not self._parent.enabled):
+            return False
+        return os.environ.get("CROSSOVER_NO_KERNELS", "") in ("", "0")
+
+    def active(self) -> ctypes.CDLL | None:
+        """The library when it is on and loads, else None."""
+        return self.get() if self.on() else None

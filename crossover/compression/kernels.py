@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -42,8 +41,6 @@ SOURCE = Path(__file__).with_name("_kernels.c")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99")
 _MAX_NUMEL = 2**31 - 1  # indices are int32
 
-_warned = False
-_enabled = True
 _gpu_enabled = True
 
 _P = ctypes.c_void_p
@@ -67,59 +64,20 @@ _SIGNATURES = {
 # Build and load
 # ----------------------------------------------------------------------------------------------
 
-def _warn_once(msg: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.warning("%s; crossover uses its pure-torch kernel fallbacks (slower)", msg)
-
-
-def cache_dir() -> Path:
-    """Directory holding compiled kernel libraries: $CROSSOVER_CACHE/kernels or ~/.cache/crossover/kernels."""
-    root = os.environ.get("CROSSOVER_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "crossover"
-    return base / "kernels"
-
-
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
-    return None
-
-
-def library_path() -> Path:
-    """Where the library for the current source, flags and machine lives (built or not)."""
-    return _native.library_path(cache_dir(), "crossover_kernels", SOURCE, CFLAGS)
+_LIBRARY = _native.LazyLibrary(SOURCE, "crossover_kernels", CFLAGS, _SIGNATURES, "crossover kernels", log)
 
 
 def build_kernels() -> str | None:
     """Compile the C kernels into the cache unless already there; return the library path or None."""
-    try:
-        target = library_path()
-    except OSError as e:
-        _warn_once(f"cannot read the kernel source {SOURCE}: {e}")
-        return None
-    return _native.compile_library(SOURCE, target, _compiler(), CFLAGS, _warn_once, "crossover kernels")
-
-
-_LIBRARY = _native.LazyLibrary(build_kernels, _SIGNATURES, _warn_once, "crossover kernels")
-
-
-def _load() -> ctypes.CDLL | None:
-    return _LIBRARY.get()
+    return _LIBRARY.build()
 
 
 def use_kernels(enabled: bool = True) -> None:
     """Turn the C kernels on or off for this process (off: every call uses the torch fallback)."""
-    global _enabled
-    _enabled = bool(enabled)
+    _LIBRARY.enabled = bool(enabled)
 
 
-def _lib_if_enabled() -> ctypes.CDLL | None:
-    if not _enabled or os.environ.get("CROSSOVER_NO_KERNELS", "") not in ("", "0"):
-        return None
-    return _load()
+_lib_if_enabled = _LIBRARY.active
 
 
 def kernels_available() -> bool:
@@ -163,7 +121,7 @@ def _load_gpu():
 
 def _gpu(*ts: torch.Tensor | None):
     """The Triton kernels when every given tensor is a contiguous CUDA tensor and they are enabled, else None."""
-    if not (_enabled and _gpu_enabled) or os.environ.get("CROSSOVER_NO_KERNELS", "") not in ("", "0"):
+    if not (_gpu_enabled and _LIBRARY.on()):
         return None
     if os.environ.get("CROSSOVER_NO_TRITON", "").strip().lower() in _TRUE:
         return None

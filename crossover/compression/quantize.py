@@ -70,7 +70,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -114,8 +113,6 @@ _MIX2 = 0x94D049BB133111EB
 _FLT_MAX = 3.4028234663852886e38
 _CHUNK = 1 << 20  # fallback chunk (elements): a multiple of 8 (byte boundaries) and 4 (random quads)
 
-_warned = False
-_enabled = True
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -132,58 +129,34 @@ _SIGNATURES = {
 
 
 # ----------------------------------------------------------------------------------------------
-# Build and load (kernels.py's cache directory and compiler choice, for another source file)
+# Build and load (kernels.py's use_kernels(False) turns this library off too)
 # ----------------------------------------------------------------------------------------------
 
-def _warn_once(msg: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.warning("%s; crossover uses its pure-torch quantizer fallbacks (slower)", msg)
-
-
-def library_path() -> Path:
-    """Where the quantizer library for the current source, flags and machine lives (built or not)."""
-    return _native.library_path(_K.cache_dir(), "crossover_quantize", SOURCE, CFLAGS)
+_LIBRARY = _native.LazyLibrary(SOURCE, "crossover_quantize", CFLAGS, _SIGNATURES, "crossover quantizer", log,
+                               parent=_K._LIBRARY)
 
 
 def build_quantize_kernels() -> str | None:
     """Compile ``_quantize.c`` into the cache unless already there; return the library path or None."""
-    try:
-        target = library_path()
-    except OSError as e:
-        _warn_once(f"cannot read the quantizer source {SOURCE}: {e}")
-        return None
-    return _native.compile_library(SOURCE, target, _K._compiler(), CFLAGS, _warn_once, "crossover quantizer")
-
-
-_LIBRARY = _native.LazyLibrary(build_quantize_kernels, _SIGNATURES, _warn_once, "crossover quantizer")
-
-
-def _load() -> ctypes.CDLL | None:
-    return _LIBRARY.get()
+    return _LIBRARY.build()
 
 
 def use_kernels(enabled: bool = True) -> None:
     """Turn the quantizer C kernels on or off here (``kernels.use_kernels(False)`` also turns them off)."""
-    global _enabled
-    _enabled = bool(enabled)
+    _LIBRARY.enabled = bool(enabled)
 
 
-def _lib_if_enabled() -> ctypes.CDLL | None:
-    if not (_enabled and _K._enabled) or os.environ.get("CROSSOVER_NO_KERNELS", "") not in ("", "0"):
-        return None
-    return _load()
+_lib_if_enabled = _LIBRARY.active
 
 
 def _gpu(*ts: torch.Tensor | None):
     """The Triton kernels when every tensor is a contiguous CUDA tensor and kernels are enabled here."""
-    return _K._gpu(*ts) if _enabled else None
+    return _K._gpu(*ts) if _LIBRARY.enabled else None
 
 
 def use_simd(enabled: bool = True) -> bool:
     """Allow or forbid the C library's AVX2 paths (tests of the portable C code); True if they are in use."""
-    lib = _load()
+    lib = _LIBRARY.get()
     return bool(lib.cq_use_simd(int(bool(enabled)))) if lib is not None else False
 
 

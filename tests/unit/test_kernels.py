@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from crossover.compression import _native
 from crossover.compression import kernels as K
 
 HAVE_C = K.kernels_available()
@@ -304,7 +305,7 @@ def test_fallback_switches(monkeypatch):
     monkeypatch.setenv("CROSSOVER_NO_KERNELS", "1")
     assert not K.kernels_available()
     monkeypatch.setenv("CROSSOVER_NO_KERNELS", "0")
-    assert K.kernels_available() == (K._load() is not None)
+    assert K.kernels_available() == (K._LIBRARY.get() is not None)
 
 
 def test_other_dtypes_and_layouts_use_the_fallback():
@@ -351,7 +352,7 @@ def test_cuda_matches_cpu():
 # ---------------------------------------------------------------------------------- build and cache
 
 def test_build_cache_reuses_the_library(tmp_path, monkeypatch):
-    if K._compiler() is None:
+    if _native.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("CROSSOVER_CACHE", str(tmp_path))
     path = K.build_kernels()
@@ -368,17 +369,17 @@ def test_build_cache_reuses_the_library(tmp_path, monkeypatch):
     st2 = os.stat(path)
     assert (st.st_ino, st.st_mtime_ns) == (st2.st_ino, st2.st_mtime_ns)
     assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]  # no temp files left
-    monkeypatch.setattr(K, "CFLAGS", K.CFLAGS + ("-g",))
-    assert str(K.library_path()) != path  # the flags are part of the name
+    monkeypatch.setattr(K._LIBRARY, "cflags", K.CFLAGS + ("-g",))
+    assert str(K._LIBRARY.path()) != path  # the flags are part of the name
 
 
 def test_build_failure_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CROSSOVER_CACHE", str(tmp_path))
-    monkeypatch.setattr(K, "_warned", False)
+    monkeypatch.setattr(K._LIBRARY, "warned", False)
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with caplog.at_level(logging.WARNING, logger=K.__name__):
         assert K.build_kernels() is None
-        monkeypatch.setattr(K, "_compiler", lambda: None)
+        monkeypatch.setattr(_native, "compiler", lambda: None)
         assert K.build_kernels() is None
     assert len([r for r in caplog.records if r.name == K.__name__]) == 1
     assert os.listdir(tmp_path / "kernels") == []  # the failed attempt left nothing behind
