@@ -329,21 +329,6 @@ int cx_random_indices(int64_t numel, int64_t k, uint64_t seed, int32_t *out)
     return 0;
 }
 
-/* Position of the lowest set bit of a non-zero byte. */
-static int low_bit(unsigned b)
-{
-#if defined(__GNUC__) || defined(__clang__)
-    return __builtin_ctz(b);
-#else
-    int t = 0;
-    while (!(b & 1u)) {
-        b >>= 1;
-        t++;
-    }
-    return t;
-#endif
-}
-
 /* A selection as a bitmap and its values in index order (the allgather's bitmap format):
  * bits[0..nbytes) = the set of idx (bit j of byte i = element 8 i + j), vals[0..c) = the values of the set
  * bits in index order, a repeated index's values added up; scratch holds n floats (any content). Returns c,
@@ -370,7 +355,7 @@ int cx_bitmap_pack(const int32_t *idx, const float *val, int64_t k, int64_t n, u
         while (byte) {
             if (c >= cap)
                 return -2;
-            vals[c++] = scratch[b * 8 + low_bit(byte)];
+            vals[c++] = scratch[b * 8 + CTZ32(byte)];
             byte &= byte - 1;
         }
     }
@@ -387,7 +372,7 @@ int cx_bitmap_add(float *out, int64_t n, const uint8_t *bits, int64_t nbytes, co
     for (int64_t b = 0; b < nbytes; b++) {
         unsigned byte = bits[b];
         while (byte) {
-            int64_t i = b * 8 + low_bit(byte);
+            int64_t i = b * 8 + CTZ32(byte);
             if (i >= n)
                 return -1;
             if (c >= nvals)

@@ -475,27 +475,15 @@ static inline __attribute__((always_inline)) AVX2 void unpack_avx2_body(const ui
 
 typedef void (*ufn)(const uint8_t *, int64_t, int32_t, float, float *, int32_t *, int64_t);
 
-#define USPEC(B)                                                                                   \
-    static AVX2 void u##B##_lev(const uint8_t *p, int64_t m, int32_t s, float sw, float *o, int32_t *l, int64_t a) \
+#define UFN(B, NAME, OUT, LEV, MODE)                                                                 \
+    static AVX2 void u##B##_##NAME(const uint8_t *p, int64_t m, int32_t s, float sw, float *o, int32_t *l, \
+                                   int64_t a)                                                       \
     {                                                                                              \
         (void)o;                                                                                   \
-        unpack_avx2_body(p, m, s, B, sw, NULL, l, 0, a);                                              \
-    }                                                                                              \
-    static AVX2 void u##B##_st(const uint8_t *p, int64_t m, int32_t s, float sw, float *o, int32_t *l, int64_t a)  \
-    {                                                                                              \
         (void)l;                                                                                   \
-        unpack_avx2_body(p, m, s, B, sw, o, NULL, 1, a);                                              \
-    }                                                                                              \
-    static AVX2 void u##B##_nt(const uint8_t *p, int64_t m, int32_t s, float sw, float *o, int32_t *l, int64_t a)  \
-    {                                                                                              \
-        (void)l;                                                                                   \
-        unpack_avx2_body(p, m, s, B, sw, o, NULL, 2, a);                                              \
-    }                                                                                              \
-    static AVX2 void u##B##_acc(const uint8_t *p, int64_t m, int32_t s, float sw, float *o, int32_t *l, int64_t a) \
-    {                                                                                              \
-        (void)l;                                                                                   \
-        unpack_avx2_body(p, m, s, B, sw, o, NULL, 3, a);                                              \
+        unpack_avx2_body(p, m, s, B, sw, OUT, LEV, MODE, a);                                       \
     }
+#define USPEC(B) UFN(B, lev, NULL, l, 0) UFN(B, st, o, NULL, 1) UFN(B, nt, o, NULL, 2) UFN(B, acc, o, NULL, 3)
 USPEC(2)
 USPEC(3)
 USPEC(4)
