@@ -371,17 +371,17 @@ class DqsgdPolicy:
             "target_levels": s_target,
             "continuous_bits": continuous,
             "clamped": s_target is not None and plan.bits != _unclamped_bits(s_target),
-            "grad_sq_norm": self._sq_norm,
-            "lr": self._lr,
-            "numel": self._numel,
-            "observations": self._observations,
-            "ignored": self._ignored,
-            "budget_spent": self._spent,
+            **self._observed(),
             "error_budget": self._eps,
             "budget_per_step": self._eps / self._T,
         }
 
     # ------------------------------------------------------------------ checkpointing
+    def _observed(self) -> dict[str, Any]:
+        """What the observations so far set: the fields both summary() and state_dict() report."""
+        return {"grad_sq_norm": self._sq_norm, "lr": self._lr, "numel": self._numel,
+                "observations": self._observations, "ignored": self._ignored, "budget_spent": self._spent}
+
     def state_dict(self) -> dict[str, Any]:
         """Full state as JSON-serialisable plain values."""
         return {
@@ -389,12 +389,7 @@ class DqsgdPolicy:
             "config": self.config,
             "total_steps": self._T,
             "next_step": self._next_step,
-            "grad_sq_norm": self._sq_norm,
-            "lr": self._lr,
-            "numel": self._numel,
-            "observations": self._observations,
-            "ignored": self._ignored,
-            "budget_spent": self._spent,
+            **self._observed(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
