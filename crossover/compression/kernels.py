@@ -368,30 +368,26 @@ def bitmap_add(out: torch.Tensor, bits: torch.Tensor, vals: torch.Tensor, scale:
 
 def scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: float = 1.0) -> None:
     """out[idx[j]] += scale * vals[j] in place; duplicate indices add up."""
-    _check_1d(out=out, idx=idx, vals=vals)
-    if vals.numel() != idx.numel():
-        raise ValueError(f"vals has {vals.numel()} elements, idx {idx.numel()}")
-    lib = _lib_if_enabled()
-    if lib is not None and _f32(out, vals) and _cpu_contig(idx, torch.int32):
-        rc = lib.cx_scatter_add(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(),
-                                idx.numel(), float(scale))
-        _raise_index(rc, "scatter_add")
-        return
-    out.index_add_(0, idx, vals.to(out.dtype), alpha=scale)
+    _scatter(out, idx, vals, scale, zero=False)
 
 
 def zero_scatter(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: float = 1.0) -> None:
     """out[:] = 0 then out[idx[j]] += scale * vals[j]: sparse decompress into a reused dense buffer."""
+    _scatter(out, idx, vals, scale, zero=True)
+
+
+def _scatter(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: float, zero: bool) -> None:
     _check_1d(out=out, idx=idx, vals=vals)
     if vals.numel() != idx.numel():
         raise ValueError(f"vals has {vals.numel()} elements, idx {idx.numel()}")
     lib = _lib_if_enabled()
     if lib is not None and _f32(out, vals) and _cpu_contig(idx, torch.int32):
-        rc = lib.cx_zero_scatter(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(),
-                                 idx.numel(), float(scale))
-        _raise_index(rc, "zero_scatter")
+        fn = lib.cx_zero_scatter if zero else lib.cx_scatter_add
+        rc = fn(out.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(), idx.numel(), float(scale))
+        _raise_index(rc, "zero_scatter" if zero else "scatter_add")
         return
-    out.zero_()
+    if zero:
+        out.zero_()
     out.index_add_(0, idx, vals.to(out.dtype), alpha=scale)
 
 
