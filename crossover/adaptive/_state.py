@@ -1,9 +1,9 @@
-"""Checks shared by the policies' ``load_state_dict``: a saved state must match the policy restoring it."""
+"""Shared by the policies' checkpoints: a saved state must match the policy restoring it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 
 def check_saved_state(kind: str, state: Mapping[str, Any], version: int, config: Mapping[str, Any]) -> None:
@@ -19,3 +19,14 @@ def check_saved_state(kind: str, state: Mapping[str, Any], version: int, config:
     if diff:
         detail = ", ".join(f"{k}: saved {saved.get(k)!r} vs {config.get(k)!r}" for k in diff)
         raise ValueError(f"state_dict config differs from this policy's: {detail}")
+
+
+class Restorable:
+    """A policy whose ``state_dict()`` keeps its constructor's settings under "config"."""
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Self:
+        """Build a policy with the saved config and restore its state."""
+        policy = cls(**dict(state["config"]))
+        policy.load_state_dict(state)  # type: ignore[attr-defined]
+        return policy

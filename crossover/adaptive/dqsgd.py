@@ -76,7 +76,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from crossover.adaptive._state import check_saved_state
+from crossover.adaptive._state import Restorable, check_saved_state
 from crossover.compression.wire import MAX_BITS, MIN_BITS, levels_for_bits
 
 __all__ = [
@@ -198,7 +198,7 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-class DqsgdPolicy:
+class DqsgdPolicy(Restorable):
     """DQ-SGD bit widths as a deterministic state machine (see the module docstring for the rule).
 
     Keyword-only parameters:
@@ -431,13 +431,6 @@ class DqsgdPolicy:
         self._T, self._next_step = total, next_step
         self._sq_norm, self._lr, self._numel = sq_norm, lr, numel
         self._observations, self._ignored, self._spent = observations, ignored, spent
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> DqsgdPolicy:
-        """Build a policy with the saved config and restore its state."""
-        policy = cls(**dict(state["config"]))
-        policy.load_state_dict(state)
-        return policy
 
     def __repr__(self) -> str:
         return f"DqsgdPolicy(step={self._next_step}, total_steps={self._T}, bits={self.plan().bits})"

@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Union
 
-from crossover.adaptive._state import check_saved_state
+from crossover.adaptive._state import Restorable, check_saved_state
 from crossover.adaptive.gravac import tunables as T
 from crossover.adaptive.gravac.gains import GAINS, GainBook
 from crossover.adaptive.gravac.ladder import LadderSearch, ladder_rungs, log, momentum_cap
@@ -51,7 +51,7 @@ _LADDER_UNUSED = {k: v for k, v in LadderState(held=DENSE, last_tried=DENSE).to_
 Window = Union[int, str]
 
 
-class GravacPolicy:
+class GravacPolicy(Restorable):
     """GraVAC compression-factor search as a deterministic state machine.
 
     The decision for step t depends only on the observations fed before it, so ranks that feed the
@@ -377,13 +377,6 @@ class GravacPolicy:
         self._momentum = None if momentum is None else float(momentum)
         self._gains.load(gains)
         self._search = search
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> GravacPolicy:
-        """Build a policy with the saved config and restore its state."""
-        policy = cls(**dict(state["config"]))
-        policy.load_state_dict(state)
-        return policy
 
     def __repr__(self) -> str:
         return (f"GravacPolicy(step={self._step}, floor={self.floor_cf:g}, candidate={self.candidate_cf:g}, "
