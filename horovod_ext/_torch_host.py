@@ -35,7 +35,7 @@ import horovod.torch as hvd
 import torch
 
 from crossover.compression.grouped import GroupedCollectives
-from crossover.driver import GradientKeys, check_min_numel
+from crossover.driver import check_min_numel
 from crossover.driver.flat import user_stats
 from crossover.driver.session import LowRankSession, SparseSession, StepSession
 from horovod_ext._class_guard import CompressionType, guard_constructors
@@ -63,6 +63,30 @@ SHARED_ERROR = ("crossover: this compression object is already used by another D
                 "(error-feedback residuals keyed by parameter name, step counter, policy) belongs to one "
                 "optimizer: create one compression object per hvd.DistributedOptimizer (stateless ones like "
                 "hvd.Compression.fp16 or crossover's FP16Compression may be shared)")
+
+
+class GradientKeys:
+    """Keys for the gradients of one step: the host's name, else the gradient's position in the step.
+
+    A name seen twice in one step means a new step began (the host did not say so).
+    """
+
+    def __init__(self) -> None:
+        self._ordinal = 0
+        self._seen: set[str] = set()
+
+    def begin(self) -> None:
+        """A new step starts: positions restart at 0."""
+        self._ordinal = 0
+        self._seen.clear()
+
+    def key(self, name: str | None) -> tuple[str, bool]:
+        """The key for the next gradient, and whether it was already seen this step (a new step began)."""
+        key = name if name is not None else f"#{self._ordinal}"
+        self._ordinal += 1
+        repeated = key in self._seen
+        self._seen.add(key)
+        return key, repeated
 
 
 class HorovodCollectives:
@@ -179,7 +203,8 @@ class TorchHookBase(metaclass=CompressionType):
             self._check_owner(opt)
             if self.session.family_open:  # compressor="auto": the family, agreed by the ranks before the first step
                 self.session = self.session.for_optimizer(opt, HorovodCollectives(torch_process_set(opt)))
-        if self._phase != "compress":
+        first = self._phase != "compress"  # the step's first gradient
+        if first:
             self._new_step()
         if opt is not None:
             ps = torch_process_set(opt)
@@ -194,7 +219,8 @@ class TorchHookBase(metaclass=CompressionType):
                 self._bucket_small = self._buckets_small(opt)
         self.comm.enabled = self.grouped
         self.comm.inner.quiet = self.quiet_wait
-        self.session.optimizer_seen(opt)
+        if first:
+            self.session.optimizer_seen(opt)  # momentum, DQ-SGD's lr: once a step
         nbytes = tensor.numel() * tensor.element_size()
         small = tensor.numel() < self.min_compress_numel
         float32 = tensor.dtype == torch.float32 and not tensor.is_sparse

@@ -10,7 +10,6 @@ from crossover.driver.records import StepRecord
 from crossover.driver.settings import (
     DQSGD_PARAMS,
     UNKNOWN_MOMENTUM,
-    GradientKeys,
     check_min_numel,
     check_momentum,
     dqsgd_settings,
@@ -30,6 +29,6 @@ from crossover.driver.transport import (
 )
 
 __all__ = ["ALLTOALL_DEFAULT_TRANSPORT", "DEFAULT_TRANSPORT", "DQSGD_PARAMS", "TRANSPORTS", "UNKNOWN_MOMENTUM",
-           "CfPolicy", "GradientKeys", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
+           "CfPolicy", "QuantStepDriver", "SparseStepDriver", "StepLog", "StepRecord",
            "check_min_numel", "check_momentum", "check_transport", "dqsgd_settings", "gravac_or_dense",
            "keras_optimizer_momentum", "lr_at", "optimizer_momentum", "reported_momentum"]

@@ -1,4 +1,4 @@
-"""Settings of the compression objects, checked at construction, and the keys of a step's gradients."""
+"""Settings of the compression objects, checked at construction."""
 
 from __future__ import annotations
 
@@ -10,33 +10,9 @@ from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.compression.checks import check_flag
 from crossover.driver.sparse import CfPolicy
 
-__all__ = ["DQSGD_DEFAULTS", "DQSGD_PARAMS", "UNKNOWN_MOMENTUM", "GradientKeys", "check_min_numel", "check_momentum",
+__all__ = ["DQSGD_DEFAULTS", "DQSGD_PARAMS", "UNKNOWN_MOMENTUM", "check_min_numel", "check_momentum",
            "dqsgd_settings", "gravac_or_dense", "keras_optimizer_momentum", "lr_at", "momentum_value",
            "optimizer_momentum", "reported_momentum"]
-
-
-class GradientKeys:
-    """Keys for the gradients of one step: the host's name, else the gradient's position in the step.
-
-    A name seen twice in one step means a new step began (the host did not say so).
-    """
-
-    def __init__(self) -> None:
-        self._ordinal = 0
-        self._seen: set[str] = set()
-
-    def begin(self) -> None:
-        """A new step starts: positions restart at 0."""
-        self._ordinal = 0
-        self._seen.clear()
-
-    def key(self, name: str | None) -> tuple[str, bool]:
-        """The key for the next gradient, and whether it was already seen this step (a new step began)."""
-        key = name if name is not None else f"#{self._ordinal}"
-        self._ordinal += 1
-        repeated = key in self._seen
-        self._seen.add(key)
-        return key, repeated
 
 
 def check_min_numel(min_compress_numel: object) -> int:

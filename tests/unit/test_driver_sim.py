@@ -19,7 +19,7 @@ from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
 from crossover.compression.wire import CHECK_LEN, SparseStatsLayout, normalize_reduced, shared_seed
-from crossover.driver import GradientKeys, QuantStepDriver, SparseStepDriver, dqsgd_settings
+from crossover.driver import QuantStepDriver, SparseStepDriver, dqsgd_settings
 from crossover.driver.session import SparseSession
 
 
@@ -220,6 +220,8 @@ def test_stats_layout_and_normalization():
 
 
 def test_gradient_keys_and_seeds():
+    from horovod_ext._torch_host import GradientKeys
+
     keys = GradientKeys()
     assert keys.key("w") == ("w", False)
     assert keys.key(None) == ("#1", False)
