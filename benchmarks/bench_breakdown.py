@@ -158,7 +158,7 @@ _RUNNING: list[_Timer | None] = [None]  # the timer of the method whose step is 
 def _time_agreement() -> None:
     """Time the agreement checks (issue 45: they must cost under 2 % of a step) as the phase "agree" of the
     method whose step runs: what every codec does for them, wrapped where it is defined (class-level, once)."""
-    from crossover.compression import agreement, sparse_codec
+    from crossover.compression import sparse_codec, wire
 
     clock = time.perf_counter
 
@@ -173,7 +173,7 @@ def _time_agreement() -> None:
                     timer.acc["agree"] += clock() - t
         return call
 
-    for cls, attr in ((agreement.Agreement, "values"), (agreement.Agreement, "check"),
+    for cls, attr in ((wire.Agreement, "values"), (wire.Agreement, "check"),
                       (sparse_codec.SparseCodec, "_agreement")):
         setattr(cls, attr, timed(getattr(cls, attr)))
 

@@ -33,10 +33,9 @@ from typing import Any
 import torch
 
 from . import cost_model, kernels
-from .agreement import Agreement
 from .checks import check_seed
 from .memory import ErrorFeedback
-from .wire import CHECK_LEN, SparseStatsLayout, shared_seed
+from .wire import CHECK_LEN, Agreement, SparseStatsLayout, shared_seed
 
 __all__ = ["LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
 
@@ -93,7 +92,7 @@ class LowRankCodec:
     def __init__(self, *, error_feedback: bool = True, seed: int = 0) -> None:
         self.memory = ErrorFeedback(error_feedback)
         self.seed = check_seed(seed)
-        self.checks = True  # the statistics end with the agreement checks (agreement.py; Q's first draw: the seed)
+        self.checks = True  # the statistics end with the agreement checks (wire.Agreement; Q's first draw: the seed)
         self._q: dict[str, torch.Tensor] = {}  # key -> the last step's Q (cols x r), identical on every rank
         self._pending: list[LowRankCtx] = []  # this step's tensors whose Q allreduce has not begun
         self._outputs: dict[str, torch.Tensor] = {}

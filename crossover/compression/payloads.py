@@ -55,7 +55,7 @@ class SparseCtx:
     step: int = 0  # AGREED, SCATTER: the step; AGREED: the fingerprint of the set this rank used
     bitmap: bool = False  # ALLGATHER: every rank sent a bitmap of the tensor and k values (else k pairs)
     hashes: tuple[int, ...] = ()
-    agreement: Any = None  # what the ranks must do alike with the tensor (agreement.Agreement), checked in decode
+    agreement: Any = None  # what the ranks must do alike with the tensor (wire.Agreement), checked in decode
     error: BaseException | None = None  # SCATTER: met while another tensor's decode waited for this one's alltoall
 
 

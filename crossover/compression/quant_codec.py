@@ -8,7 +8,7 @@ Transports, decided by the caller per tensor (crossover/driver/transport.py, `qu
 allgather (torch allreduce has no 8-bit type; each rank's codes carry their own scale, so they cannot be
 summed), or dequantized fp16 values by allreduce (summable; wins for large worlds).
 
-Agreement (agreement.py): on the allgather the float32 statistics end with the agreement checks, judged in decode
+Agreement (wire.py): on the allgather the float32 statistics end with the agreement checks, judged in decode
 before the wait, since ranks that disagree on the shape or the bits would gather segments of other lengths and
 decode garbage silently. The allreduce path issues no collective of its own: a rank at other bits still sums
 correct values, and another shape or transport changes the payload's length or dtype, which Horovod and
@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from . import cost_model, kernels, quantize
-from .agreement import Agreement
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
-from .wire import CHECK_LEN, QUANT_STATS_LEN, clamp_stat, levels_for_bits, shared_seed
+from .wire import CHECK_LEN, QUANT_STATS_LEN, Agreement, clamp_stat, levels_for_bits, shared_seed
 
 __all__ = ["QuantCodec", "QuantCtx"]
 

@@ -23,12 +23,11 @@ from typing import Protocol
 import torch
 
 from . import agreed, cost_model, kernels, payloads, scatter
-from .agreement import Agreement
 from .checks import check_seed
 from .collectives import Collectives
 from .memory import ErrorFeedback
 from .selectors import Selection, Selector, apply_mask, k_for, make_selector, take_at
-from .wire import CHECK_LEN, SparseStatsLayout, shared_seed
+from .wire import CHECK_LEN, Agreement, SparseStatsLayout, shared_seed
 
 __all__ = ["SparseCodec", "StepPlan"]
 
@@ -47,7 +46,7 @@ class SparseCodec:
     def __init__(self, compressor: str, *, error_feedback: bool = True, seed: int = 0,
                  grad_norms: bool = False, fixed_gather: bool = False, dense_stats_apart: bool = False) -> None:
         self.selector: Selector = make_selector(compressor)
-        # the statistics end with the agreement checks (wire.SparseStatsLayout, agreement.py): what every rank must
+        # the statistics end with the agreement checks (wire.SparseStatsLayout, wire.Agreement): what every rank must
         # do alike with each tensor, judged in decode before any collective of the codec's own is waited on
         self.checks = True
         # Every rank's allgather carries exactly k pairs (hosts whose allgather needs equal sizes, e.g.
@@ -322,7 +321,7 @@ class SparseCodec:
 
     def _agreement(self, tensor: torch.Tensor, rec: StepPlan, kind: str, comm: Collectives,
                    bitmap: bool) -> Agreement:
-        """What the other ranks must do alike with this tensor in this step (agreement.py). The seed counts where
+        """What the other ranks must do alike with this tensor in this step (wire.Agreement). The seed counts where
         every rank draws from it what they must share: shared indices, and the agreed set's first draw."""
         shared_seed_needed = self.selector.shared_indices or kind == cost_model.AGREED
         return Agreement.of(tensor, compressor=self.compressor, sent_cf=rec.sent_cf, probes=rec.probes, transport=kind,

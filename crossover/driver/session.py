@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from crossover.compression.agreed import sets_from_state
-from crossover.compression.agreement import RanksDisagree
 from crossover.compression.collectives import Collectives
 from crossover.compression.cost_model import AGREED, SCATTER
 from crossover.compression.lowrank_codec import LowRankCodec
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.selectors import make_selector
 from crossover.compression.sparse_codec import SparseCodec
+from crossover.compression.wire import RanksDisagree
 from crossover.driver import transport
 from crossover.driver.quant import QuantStepDriver
 from crossover.driver.settings import check_momentum, lr_at, optimizer_momentum

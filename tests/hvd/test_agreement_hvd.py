@@ -1,7 +1,7 @@
 """Ranks that disagree get a clear error, never a hang (issue 45), in real `horovodrun --gloo` jobs.
 
 Each case builds fresh parameters under fresh names, lets one rank differ from the others in one setting, and trains a
-few steps: every rank must raise `RanksDisagree` (crossover/compression/agreement.py) at the first step, naming the
+few steps: every rank must raise `RanksDisagree` (crossover/compression/wire.py) at the first step, naming the
 setting, its own rank and its own value, within seconds. Before the checks, the transport and grouping cases hung
 silently (the codec's allgathers and alltoalls never matched), the transposed parameter under the sparse
 reduce-scatter trained on silently with diverging replicas, and another CF under the reduce-scatter failed with

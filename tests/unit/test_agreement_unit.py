@@ -1,5 +1,5 @@
 """Ranks that disagree get a clear error, never a hang (issue 45): the agreement checks in the statistics vector
-(crossover/compression/agreement.py, wire.CHECK_SLOTS), unit by unit and through the codecs on simulated ranks.
+(crossover/compression/wire.py: Agreement, CHECK_SLOTS), unit by unit and through the codecs on simulated ranks.
 The real multi-rank Horovod jobs are in test_agreement_hvd.py."""
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from crossover.compression import cost_model
-from crossover.compression.agreement import Agreement, RanksDisagree
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.grouped import GroupedCollectives
 from crossover.compression.lowrank_codec import LowRankCodec
 from crossover.compression.quant_codec import QuantCodec
 from crossover.compression.sparse_codec import SparseCodec
-from crossover.compression.wire import CHECK_LEN, CHECK_SLOTS, SparseStatsLayout, check_span
+from crossover.compression.wire import CHECK_LEN, CHECK_SLOTS, Agreement, RanksDisagree, SparseStatsLayout, check_span
 from crossover.driver import StepRecord
 
 BASE = Agreement(shape=(100, 200), dtype="float32", compressor="topk", sent_cf=10.0, probes=(10.0, 20.0),
