@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -24,13 +25,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from crossover import procgroup
 
 from . import registry
 
 REPO = Path(__file__).resolve().parent.parent
+_N = TypeVar("_N", int, float)
 DEFAULT_HOSTS = 2  # without --hosts or -np: 2 hosts x 1 rank
 
 # per-workload defaults: batch size per rank, learning rate (SGD), momentum, weight decay, gradient clipping;
@@ -64,34 +66,22 @@ def _recipe(a: argparse.Namespace, key: str) -> Any:
     return DEFAULTS[_family(a.model)][key] if given is None else given
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _number_type(cast: Callable[[str], _N], ok: Callable[[_N], bool], expected: str, must: str) -> Callable[[str], _N]:
+    """An argparse type: ``cast`` the text and keep it where ``ok``; ``expected`` and ``must`` word the errors."""
+    def parse(text: str) -> _N:
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
+        return v
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not v > 0 or v != v or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
+_positive_int = _number_type(int, lambda v: v >= 1, "a whole number >= 1", ">= 1")
+_nonneg_int = _number_type(int, lambda v: v >= 0, "a whole number >= 0", ">= 0")
+_positive_float = _number_type(float, lambda v: 0 < v < math.inf, "a number > 0", "a finite number > 0")
 
 
 def _compression(text: str) -> str:
