@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -36,8 +35,9 @@ FP16_TARGET = 2.0
 
 
 def timed(fn: Callable[[], object], read: Callable[[], object], repeat: int,
-          setup: Callable[[], object] | None = None, warmup: int = 1) -> Tuple[List[float], List[float]]:
-    """Wall times (s) of `repeat` calls of fn, each right after a timed read pass, after `warmup` rounds.
+          setup: Callable[[], object] | None = None, warmup: int = 1) -> Dict[str, float]:
+    """A row's times of `repeat` calls of fn, each right after a timed read pass, after `warmup` rounds: ``ms``
+    and ``ms_min``, the median and fastest call; ``read_ms``, the median read pass; ``ratio``, ms over read_ms.
 
     setup (untimed) runs before each call of fn. Interleaving the reference with the operation keeps
     each row's ratio meaningful when the machine's speed drifts during the run.
@@ -55,7 +55,8 @@ def timed(fn: Callable[[], object], read: Callable[[], object], repeat: int,
         if i >= warmup:
             reads.append(t1 - t0)
             ops.append(t3 - t2)
-    return ops, reads
+    ms, read_ms = 1e3 * statistics.median(ops), 1e3 * statistics.median(reads)
+    return {"ms": ms, "ms_min": 1e3 * min(ops), "read_ms": read_ms, "ratio": ms / read_ms}
 
 
 def cpu_name() -> str:
@@ -67,6 +68,32 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def start_cpu_run(threads: int, spec: str) -> None:
+    """Set torch's threads and seed, then print the header: the command line, the machine and ``spec``."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    kernel_table.print_header(f"machine: {cpu_name()} ({platform.machine()}), torch {torch.__version__}, "
+                              f"torch threads {torch.get_num_threads()}, python {platform.python_version()}", spec)
+
+
+def topk_calls(g: torch.Tensor, res: torch.Tensor | None, sbuf: torch.Tensor, oi: torch.Tensor, ov: torch.Tensor,
+               dense: torch.Tensor, threshold: Callable[[torch.Tensor, float], object], density: float
+               ) -> Tuple[Callable[[], None], Callable[[], None], Dict[str, int]]:
+    """The top-k class path on preallocated buffers: compress (sample_abs into sbuf, ``threshold``, ef_select into
+    oi and ov; res: the error-feedback residual or None), decompress (zero_scatter into dense), and the state whose
+    ``"c"`` is the count compress selected."""
+    state = {"c": 0}
+
+    def compress() -> None:
+        K.sample_abs(g, res, sbuf.numel(), sbuf)
+        state["c"] = K.ef_select(g, res, threshold(sbuf, density), oi, ov)[0]
+
+    def decompress() -> None:
+        K.zero_scatter(dense, oi[:state["c"]], ov[:state["c"]])
+
+    return compress, decompress, state
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -81,19 +108,14 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     n, rep = args.numel, args.repeat
     k = max(1, int(round(args.density * n)))
     m = max(1, int(round(args.sample * n)))
     cap = 2 * k  # room for the threshold estimate overshooting
 
     have_c = K.kernels_available()
-    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    print(f"machine: {cpu_name()} ({platform.machine()}), torch {torch.__version__}, "
-          f"torch threads {torch.get_num_threads()}, python {platform.python_version()}")
-    print(f"numel {n:,}  density {args.density}  (k = {k:,})  threshold sample {m:,}  repeat {rep}  "
-          f"C kernels: {'yes' if have_c else 'NO (fallbacks only)'}")
+    start_cpu_run(args.threads, f"numel {n:,}  density {args.density}  (k = {k:,})  threshold sample {m:,}  "
+                  f"repeat {rep}  C kernels: {'yes' if have_c else 'NO (fallbacks only)'}")
 
     g = torch.randn(n)
     r0 = torch.randn(n) * 0.5  # an error-feedback residual of the gradient's order of magnitude
@@ -121,10 +143,8 @@ def main(argv: List[str] | None = None) -> int:
     def row(name: str, fn: Callable[[], object], group: str, setup: Callable[[], object] | None = None,
             target: float | None = None, note: Callable[[], str] | None = None, repeat: int = rep,
             warmup: int = 1) -> None:
-        ops, reads = timed(fn, read, repeat, setup, warmup)
-        ms, read_ms = 1e3 * statistics.median(ops), 1e3 * statistics.median(reads)
-        rows.append({"name": name, "group": group, "ms": ms, "ms_min": 1e3 * min(ops), "read_ms": read_ms,
-                     "ratio": ms / read_ms, "target": target, "note": note() if note else ""})
+        rows.append({"name": name, "group": group, **timed(fn, read, repeat, setup, warmup), "target": target,
+                     "note": note() if note else ""})
 
     # fp16: cast into a preallocated half buffer and back.
     def fp16_both() -> None:
@@ -146,39 +166,23 @@ def main(argv: List[str] | None = None) -> int:
         for ef in (False, True):  # top-k class, without and with error feedback
             res = residual if ef else None
             setup = restore if ef else None
-            state = {"c": 0}
-
-            def compress(res=res, state=state) -> None:
-                K.sample_abs(g, res, m, sbuf)
-                thr = K.threshold_for_density(sbuf, args.density)
-                state["c"] = K.ef_select(g, res, thr, oi, ov)[0]
+            compress, decompress_fused, state = topk_calls(g, res, sbuf, oi, ov, dense, K.threshold_for_density,
+                                                           args.density)
 
             def decompress(state=state) -> None:
                 c = state["c"]
                 dense.zero_()
                 K.scatter_add(dense, oi[:c], ov[:c])
 
-            def decompress_fused(state=state) -> None:
-                c = state["c"]
-                K.zero_scatter(dense, oi[:c], ov[:c])
-
-            def both(compress=compress, decompress=decompress) -> None:
-                compress()
-                decompress()
-
-            def both_fused(compress=compress, decompress_fused=decompress_fused) -> None:
-                compress()
-                decompress_fused()
-
             tag = "top-k class" + (" + EF" if ef else "")
             row(f"{tag} compress: sample_abs + threshold + ef_select{sfx}", compress, "topk", setup)
             row(f"{tag} decompress: zero_ + scatter_add{sfx}", decompress, "topk")
             row(f"{tag} decompress: zero_scatter (one call){sfx}", decompress_fused, "topk")
-            row(f"{tag} compress + decompress (zero_ + scatter_add){sfx}", both, "topk", setup,
-                target=TOPK_TARGET,
+            row(f"{tag} compress + decompress (zero_ + scatter_add){sfx}", kernel_table.calls(compress, decompress),
+                "topk", setup, target=TOPK_TARGET,
                 note=lambda state=state: f"selected {state['c']:,} = {state['c'] / n:.3%}")
-            row(f"{tag} compress + decompress (zero_scatter){sfx}", both_fused, "topk", setup,
-                target=TOPK_TARGET)
+            row(f"{tag} compress + decompress (zero_scatter){sfx}", kernel_table.calls(compress, decompress_fused),
+                "topk", setup, target=TOPK_TARGET)
 
         def threshold_only() -> None:
             K.sample_abs(g, None, m, sbuf)
@@ -206,19 +210,11 @@ def main(argv: List[str] | None = None) -> int:
             dense.zero_()
             K.scatter_add(dense, ri, rv)
 
-        def rk_both() -> None:
-            rk_compress()
-            rk_decompress()
-
-        def rk_ef_both() -> None:
-            rk_ef_compress()
-            rk_decompress()
-
         row(f"random-k compress: random_indices + gather_take{sfx}", rk_compress, "randk")
         row(f"random-k decompress: zero_ + scatter_add{sfx}", rk_decompress, "randk")
-        row(f"random-k compress + decompress{sfx}", rk_both, "randk")
-        row(f"random-k + EF (ef_accumulate + zeroing gather_take) + decompress{sfx}", rk_ef_both, "randk",
-            restore)
+        row(f"random-k compress + decompress{sfx}", kernel_table.calls(rk_compress, rk_decompress), "randk")
+        row(f"random-k + EF (ef_accumulate + zeroing gather_take) + decompress{sfx}",
+            kernel_table.calls(rk_ef_compress, rk_decompress), "randk", restore)
 
     if have_c:
         run_impl("C")
@@ -227,13 +223,8 @@ def main(argv: List[str] | None = None) -> int:
     K.use_kernels(True)
 
     read_ms = kernel_table.print_read_pass([r["read_ms"] for r in rows], "; min ms is the fastest call")
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'operation':<{w}}  {'ms':>9}  {'min ms':>8}  {'read ms':>7}  {'x read':>7}  check")
-    print("-" * (w + 50))
-    for r in rows:
-        check = kernel_table.check_cell(r)
-        print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['ms_min']:8.2f}  {r['read_ms']:7.2f}  "
-              f"{r['ratio']:7.2f}  {check}")
+    kernel_table.print_table(rows, [("ms", "ms", "9.2f"), ("min ms", "ms_min", "8.2f"), ("read ms", "read_ms", "7.2f"),
+                                    ("x read", "ratio", "7.2f")], 50)
     targets = [r for r in rows if r["target"] is not None and "fallback" not in r["name"]]
     ok = kernel_table.verdict("C kernels and fp16", [r["name"] for r in targets if not r["pass"]], bool(targets))
     kernel_table.write_json(args.json, {

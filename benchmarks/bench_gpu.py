@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
 from crossover.driver import StepRecord, transport  # noqa: E402
 
 from . import kernel_table  # noqa: E402
+from .bench_compressors import topk_calls  # noqa: E402
 
 TOPK_TARGET = 10.0
 _CUDA = True  # False with --device cpu (a dry run of this script on a machine without a GPU)
@@ -226,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
 
     have_triton = _CUDA and K.gpu_kernels_available()
     name = torch.cuda.get_device_name(dev) if _CUDA else platform.machine()
-    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    print(f"device: {name}, torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}")
-    print(f"numel {n:,}  density {args.density} (k = {k:,})  threshold sample {m:,}  repeat {rep}  "
-          f"Triton kernels: {'yes' if have_triton else 'NO (torch fallbacks only)'}")
+    kernel_table.print_header(
+        f"device: {name}, torch {torch.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}",
+        f"numel {n:,}  density {args.density} (k = {k:,})  threshold sample {m:,}  repeat {rep}  "
+        f"Triton kernels: {'yes' if have_triton else 'NO (torch fallbacks only)'}")
 
     read_dev = device_ms(lambda: g.sum(), 50)
     read_wall = 1e3 * statistics.median(wall(lambda: g.sum(), None, 50, 5))
@@ -267,25 +267,15 @@ def main(argv: list[str] | None = None) -> int:
         for ef in (False, True):
             res = residual if ef else None
             setup = restore if ef else None
-            state = {"c": 0}
-
-            def compress(res=res, state=state) -> None:  # as the top-k selectors do it (threshold on the device)
-                K.sample_abs(g, res, m, sbuf)
-                thr = K.threshold_tensor(sbuf, args.density) if _CUDA else K.threshold_for_density(sbuf, args.density)
-                state["c"] = K.ef_select(g, res, thr, oi, ov)[0]
-
-            def decompress(state=state) -> None:
-                c = state["c"]
-                K.zero_scatter(dense, oi[:c], ov[:c])
-
-            def both(compress=compress, decompress=decompress) -> None:
-                compress()
-                decompress()
-
+            # as the top-k selectors do it (threshold on the device)
+            compress, decompress, state = topk_calls(g, res, sbuf, oi, ov, dense,
+                                                     K.threshold_tensor if _CUDA else K.threshold_for_density,
+                                                     args.density)
             tag = "top-k class" + (" + EF" if ef else "")
             row(f"{tag} compress: sample_abs + threshold + ef_select{sfx}", compress, "topk", setup)
             row(f"{tag} decompress: zero_scatter{sfx}", decompress, "topk")
-            row(f"{tag} compress + decompress{sfx}", both, "topk", setup, target=TOPK_TARGET,
+            row(f"{tag} compress + decompress{sfx}", kernel_table.calls(compress, decompress), "topk", setup,
+                target=TOPK_TARGET,
                 note=lambda state=state: f"selected {state['c']:,} = {state['c'] / n:.3%}")
 
         thr_fixed = torch.kthvalue(g[:: n // m].abs().cpu(), m - int(m * args.density)).values.reshape(1).to(dev)
@@ -397,13 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nread pass: {read_dev * 1e3:.1f} us device time (the ratios' denominator), {read_wall * 1e3:.1f} us "
           "synchronised wall time\n")
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'operation':<{w}}  {'ms':>8}  {'min ms':>8}  {'x read':>7}  {'x wall read':>11}  check")
-    print("-" * (w + 54))
-    for r in rows:
-        check = kernel_table.check_cell(r)
-        print(f"{r['name']:<{w}}  {r['ms']:8.3f}  {r['ms_min']:8.3f}  {r['ratio']:7.2f}  {r['ratio_wall']:11.2f}  "
-              f"{check}")
+    kernel_table.print_table(rows, [("ms", "ms", "8.3f"), ("min ms", "ms_min", "8.3f"), ("x read", "ratio", "7.2f"),
+                                    ("x wall read", "ratio_wall", "11.2f")], 54)
     targets = [r for r in rows if r["target"] is not None and "[triton]" in r["name"]]
     ok = kernel_table.verdict(f"top-k class compress + decompress with the Triton kernels <= {TOPK_TARGET:g}x a "
                               "read pass", [r["name"] for r in targets if not r["pass"]], bool(targets))

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
-import statistics
 import sys
 from typing import Callable, Dict, List
 
@@ -36,7 +34,7 @@ if not __package__:  # run as a file: its relative imports resolve in the packag
 from crossover.compression import quantize as Q  # noqa: E402
 
 from . import kernel_table  # noqa: E402
-from .bench_compressors import cpu_name, timed  # noqa: E402
+from .bench_compressors import cpu_name, start_cpu_run, timed  # noqa: E402
 
 ROUND_TRIP_TARGET = 6.0
 BYTES_TOLERANCE = 0.10
@@ -73,15 +71,10 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     n, rep = args.numel, args.repeat
     have_c = Q.quantize_kernels_available()
-    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    print(f"machine: {cpu_name()} ({platform.machine()}), torch {torch.__version__}, "
-          f"torch threads {torch.get_num_threads()}, python {platform.python_version()}")
-    print(f"numel {n:,}  bits {','.join(map(str, args.bits))}  repeat {rep}  "
-          f"C quantizer: {'yes' if have_c else 'NO (fallbacks only)'}")
+    start_cpu_run(args.threads, f"numel {n:,}  bits {','.join(map(str, args.bits))}  repeat {rep}  "
+                  f"C quantizer: {'yes' if have_c else 'NO (fallbacks only)'}")
 
     g = torch.randn(n)
     g0 = g.clone()
@@ -98,10 +91,8 @@ def main(argv: List[str] | None = None) -> int:
     def row(name: str, fn: Callable[[], object], group: str, bits: int | None = None,
             target: float | None = None, repeat: int = rep, warmup: int = 1,
             setup: Callable[[], object] | None = None) -> None:
-        ops, reads = timed(fn, read, repeat, setup, warmup)
-        ms, read_ms = 1e3 * statistics.median(ops), 1e3 * statistics.median(reads)
-        rows.append({"name": name, "group": group, "bits": bits, "ms": ms, "ms_min": 1e3 * min(ops),
-                     "read_ms": read_ms, "ratio": ms / read_ms, "target": target, "repeat": repeat})
+        rows.append({"name": name, "group": group, "bits": bits, **timed(fn, read, repeat, setup, warmup),
+                     "target": target, "repeat": repeat})
 
     row("absmax(g) (the max-norm scale)", lambda: Q.absmax(g), "scale")
     scale = Q.absmax(g)
@@ -181,12 +172,8 @@ def main(argv: List[str] | None = None) -> int:
                            "bytes_per_element": 4.0, "expected": expected, "pass": None})
 
     read_ms = kernel_table.print_read_pass([r["read_ms"] for r in rows if r["repeat"] > 1])
-    w = max(len(r["name"]) for r in rows)
-    print(f"{'operation':<{w}}  {'ms':>9}  {'read ms':>7}  {'x read':>7}  check")
-    print("-" * (w + 44))
-    for r in rows:
-        check = kernel_table.check_cell(r)
-        print(f"{r['name']:<{w}}  {r['ms']:9.2f}  {r['read_ms']:7.2f}  {r['ratio']:7.2f}  {check}")
+    kernel_table.print_table(rows, [("ms", "ms", "9.2f"), ("read ms", "read_ms", "7.2f"), ("x read", "ratio", "7.2f")],
+                             44)
 
     print(f"\nbytes on the wire per element (scale: {SCALE_BYTES} bytes per tensor; target: within "
           f"{BYTES_TOLERANCE:.0%} of b/8 + scale)")
