@@ -191,6 +191,14 @@ def write_run(raw: dict[str, Any], config: dict[str, Any], out: Path, *, json_pa
     return results
 
 
+def _save(fig: Any, path: Path, files: list[Path]) -> None:
+    """Lay ``fig`` out, write it to ``path`` (110 dpi), close it and add ``path`` to ``files``."""
+    fig.tight_layout()
+    files.append(path)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
 def _rolling_median(xs: Sequence[float], k: int) -> list[float]:
     return [statistics.median(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
 
@@ -211,10 +219,7 @@ def plot_run(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(f"{s['sample_unit']} / s (all ranks)")
         ax.set_title(f"throughput: {label}", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append(out / "throughput.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        _save(fig, out / "throughput.png", files)
     if evals:
         m = s["metric"]
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -227,10 +232,7 @@ def plot_run(results: dict[str, Any], out: Path) -> list[Path]:
         if m == "perplexity":
             ax.set_yscale("log")
         ax.set_title(f"{m} against time: {label}", fontsize=9)
-        fig.tight_layout()
-        files.append(out / "accuracy_vs_time.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        _save(fig, out / "accuracy_vs_time.png", files)
     dense_like = s["method"] in ("none", "fp16")  # a constant CF of 1 or 2: nothing to plot
     cf = [] if dense_like else [(r["step"], r["cf"]) for r in steps if r.get("cf") is not None]
     bits = [] if dense_like else [(r["step"], r["bits"]) for r in steps if r.get("bits") is not None]
@@ -246,10 +248,7 @@ def plot_run(results: dict[str, Any], out: Path) -> list[Path]:
                 ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(f"{'bits' if bits else 'CF'} over time: {label}", fontsize=9)
-        fig.tight_layout()
-        files.append(out / "cf_bits.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        _save(fig, out / "cf_bits.png", files)
     return files
 
 
@@ -664,10 +663,7 @@ def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], lis
     ax.set_ylabel("samples / s (median step)")
     ax.set_title(f"throughput by method: {keys[0][0]} {keys[0][1]}" if keys else "throughput", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / "throughput_by_method.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, out / "throughput_by_method.png", files)
     # metric against time, one panel per group
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(6 * max(1, len(keys)), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -684,10 +680,7 @@ def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], lis
         ax.set_ylabel(metric)
         ax.set_title(f"{key[0]} {key[1]}, {key[2]} ranks, {key[3]}", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append(out / "accuracy_vs_time.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    _save(fig, out / "accuracy_vs_time.png", files)
     # CF and bits against step for the runs that have them
     adaptive = [r for r in runs if any(s.get("cf") not in (None, 1.0, 2.0) or s.get("bits") not in (None, 16)
                                        for s in r["steps"])]
@@ -710,8 +703,5 @@ def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], lis
         for a in (a1, a2):
             if a.get_legend_handles_labels()[0]:
                 a.legend(fontsize=7)
-        fig.tight_layout()
-        files.append(out / "cf_bits.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        _save(fig, out / "cf_bits.png", files)
     return files
