@@ -308,6 +308,14 @@ class ImageData:
         """This rank's share of the evaluation set (the shares cover it once; the last batch may be short)."""
         raise NotImplementedError
 
+    def _epoch_batches(self, epoch: int, rank: int, size: int, batch_size: int,
+                       seed: int) -> tuple[list[torch.Tensor], torch.Generator]:
+        """The sample indices of this rank's training batches of one epoch, and the generator of their augmentation."""
+        order = _shard_order(self.train_size, epoch, rank, size, seed)
+        steps = range(self.steps_per_epoch(size, batch_size))
+        return ([order[i * batch_size:(i + 1) * batch_size] for i in steps],
+                torch.Generator().manual_seed(seed * 7919 + epoch * 131 + rank))
+
 
 @dataclass
 class TensorImages(ImageData):
@@ -329,10 +337,8 @@ class TensorImages(ImageData):
         return (x - mean) / std
 
     def train_batches(self, epoch: int, rank: int, size: int, batch_size: int, seed: int = 0) -> Iterator[Batch]:
-        order = _shard_order(self.train_size, epoch, rank, size, seed)
-        gen = torch.Generator().manual_seed(seed * 7919 + epoch * 131 + rank)
-        for i in range(self.steps_per_epoch(size, batch_size)):
-            idx = order[i * batch_size:(i + 1) * batch_size]
+        batches, gen = self._epoch_batches(epoch, rank, size, batch_size, seed)
+        for idx in batches:
             x = self._prep(self.x_train[idx])
             if self.augment:
                 x = _random_crop_flip(x, 4, gen)
@@ -389,10 +395,8 @@ class FolderImages(ImageData):
         return (x - mean) / std
 
     def train_batches(self, epoch: int, rank: int, size: int, batch_size: int, seed: int = 0) -> Iterator[Batch]:
-        order = _shard_order(self.train_size, epoch, rank, size, seed)
-        gen = torch.Generator().manual_seed(seed * 7919 + epoch * 131 + rank)
-        for i in range(self.steps_per_epoch(size, batch_size)):
-            idx = order[i * batch_size:(i + 1) * batch_size]
+        batches, gen = self._epoch_batches(epoch, rank, size, batch_size, seed)
+        for idx in batches:
             yield self._batch([self.train_files[k] for k in idx.tolist()], True, gen), self.train_labels[idx]
 
     def eval_batches(self, rank: int, size: int, batch_size: int) -> Iterator[Batch]:
