@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from crossover import procgroup
 
@@ -262,7 +262,39 @@ def _qdisc_bytes(ns: str, dev: str) -> int:
     raise NetemError(f"no root qdisc on {dev} in {ns}")
 
 
-class ShapedNamespace:
+_Owned = TypeVar("_Owned", bound="_Namespaces")
+
+
+class _Namespaces:
+    """Namespaces this process made and the processes started in them; :meth:`close` kills and deletes them."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._procs: list[subprocess.Popen[Any]] = []
+        atexit.register(self.close)
+
+    def _delete(self) -> None:
+        """Delete the namespaces (and what else they left on disk); :meth:`close` calls it once."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Kill processes started here and delete the namespaces. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self._procs:
+            procgroup.terminate(proc)
+        self._delete()
+        atexit.unregister(self.close)
+
+    def __enter__(self: _Owned) -> _Owned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShapedNamespace(_Namespaces):
     """One fresh network namespace whose loopback is shaped to ``rate`` (and ``delay`` one-way).
 
     Everything inside shares one medium: loopback carries both directions, so two streams in
@@ -275,11 +307,9 @@ class ShapedNamespace:
         self.delay = delay
         self.mtu = mtu
         self.name = _new_name()
-        self._closed = False
-        self._procs: list[subprocess.Popen[Any]] = []
         rate_bits = parse_rate(rate)
         delay_s = parse_time(delay) if delay else None
-        atexit.register(self.close)
+        super().__init__()
         try:
             _ip(None, "netns", "add", self.name)
             _ip(self.name, "link", "set", "lo", "mtu", str(mtu), "up")
@@ -303,21 +333,8 @@ class ShapedNamespace:
         self._procs.append(proc)
         return proc
 
-    def close(self) -> None:
-        """Kill processes started here and delete the namespace. Idempotent; never raises."""
-        if self._closed:
-            return
-        self._closed = True
-        for proc in self._procs:
-            procgroup.terminate(proc)
+    def _delete(self) -> None:
         _delete_namespace(self.name)
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> ShapedNamespace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def run_shaped(cmd: Sequence[str], rate: str = "1gbit", delay: str | None = None,
@@ -336,7 +353,7 @@ def run_shaped(cmd: Sequence[str], rate: str = "1gbit", delay: str | None = None
         return ns.run(cmd, timeout=timeout, env=env, **popen_kw)
 
 
-class EmulatedCluster:
+class EmulatedCluster(_Namespaces):
     """``hosts`` namespaces joined by full-duplex links of ``rate`` each way through a bridge.
 
     Host ``i`` lives in namespace ``self.hosts[i]`` with interface ``eth0`` at ``self.addresses[i]``
@@ -363,11 +380,9 @@ class EmulatedCluster:
         self.hosts: list[str] = [f"{base}-h{i}" for i in range(hosts)]
         self.addresses: list[str] = [f"{subnet}.{i + 1}" for i in range(hosts)]
         self.iface = HOST_IFACE
-        self._closed = False
-        self._procs: list[subprocess.Popen[Any]] = []
         self._created: list[str] = []
         self._etc_dirs: list[str] = []
-        atexit.register(self.close)
+        super().__init__()
         try:
             self._build()
         except BaseException:
@@ -446,22 +461,9 @@ class EmulatedCluster:
         """A :class:`TcpFlow` from host ``src`` to host ``dst``, for :func:`measure_tcp_throughput`."""
         return TcpFlow(self.exec_prefix(src), self.exec_prefix(dst), self.addresses[dst])
 
-    def close(self) -> None:
-        """Kill processes started here and delete every namespace. Idempotent; never raises."""
-        if self._closed:
-            return
-        self._closed = True
-        for proc in self._procs:
-            procgroup.terminate(proc)
+    def _delete(self) -> None:
         for ns in reversed(self._created):
             _delete_namespace(ns)
         for d in self._etc_dirs:
             shutil.rmtree(d, ignore_errors=True)
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> EmulatedCluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
