@@ -53,6 +53,21 @@ def write_result(obj: Any) -> None:
     out.write_text(json.dumps(obj))
 
 
+def regression_step(model: Any, opt: Any, step: int) -> None:
+    """Called inside a rank: one optimizer step of a 256 -> 128 `model` on this rank's batch of 32 for `step`
+    (drawn from a generator seeded by `step` and the rank)."""
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(1000 * step + hvd.rank())
+    x = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
+    y = torch.from_numpy((rng.standard_normal((32, 128)) ** 3).astype(np.float32))
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
 def _run(cmd: Sequence[str], np: int, timeout: float, env: dict[str, str] | None,
          result_dir: str) -> list[Any]:
     full_env = dict(os.environ)
