@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import horovod.torch as hvd
-import numpy as np
 import torch
+from hvd_harness import regression_step
 
 from crossover.elastic import TorchState
 from horovod_ext.torch_compression import AdaptiveCompression
@@ -75,12 +75,7 @@ def main() -> None:
                 state.phase_steps = 0
             if state.sizes == [2, 1, 2] and state.phase_steps >= FINISH_AFTER:
                 break
-            rng = np.random.default_rng(1000 * state.batch + hvd.rank())
-            x = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
-            y = torch.from_numpy((rng.standard_normal((32, 128)) ** 3).astype(np.float32))
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+            regression_step(model, opt, state.batch)
             if state.sizes == [2, 1, 2]:
                 stats = comp.stats()  # the CF (GraVAC) or bits (DQ-SGD) this step sent
                 cfs[state.batch] = stats.get("bits", stats["compression_factor"])

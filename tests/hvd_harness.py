@@ -53,6 +53,32 @@ def write_result(obj: Any) -> None:
     out.write_text(json.dumps(obj))
 
 
+def regression_step(model: Any, opt: Any, step: int) -> None:
+    """Called inside a rank: one optimizer step of a 256 -> 128 `model` on this rank's batch of 32 for `step`
+    (drawn from a generator seeded by `step` and the rank)."""
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(1000 * step + hvd.rank())
+    x = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
+    y = torch.from_numpy((rng.standard_normal((32, 128)) ** 3).astype(np.float32))
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def assert_as_accurate_as_dense(res: list[Any], key: str, tolerance: float, min_ratio: float) -> None:
+    """Each rank's training run `key` ended within `tolerance` of the accuracy of its run "dense" (which itself
+    learned) sending `min_ratio` times fewer bytes, and with the same weights on ranks 0 and 1."""
+    for r in res:
+        d, c = r["dense"], r[key]
+        assert d["last3_accuracy"] > 0.9, "dense training itself must work for the comparison to mean anything"
+        assert c["last3_accuracy"] >= d["last3_accuracy"] - tolerance, (c["history"], d["history"])
+        assert c["dense_bytes"] / c["bytes_sent"] >= min_ratio, c["compression"]
+    assert res[0][key]["weights_checksum"] == res[1][key]["weights_checksum"]
+
+
 def _run(cmd: Sequence[str], np: int, timeout: float, env: dict[str, str] | None,
          result_dir: str) -> list[Any]:
     full_env = dict(os.environ)

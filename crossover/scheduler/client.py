@@ -395,6 +395,29 @@ class SchedulerClient:
 
     # ------------------------------------------------------------------ requests
 
+    def _channel(self) -> _Channel | None:
+        """The connection to the daemon (the caller holds ``_lock``), or None (re-attaching in the background)."""
+        ch = self._ch
+        if ch is None:
+            self._reattach_later()
+        return ch
+
+    def _ask(self, op: str, reply: str) -> tuple[dict[str, Any], float] | None:
+        """Send ``op``, wait up to 5 s for its ``reply``: (reply, round-trip seconds), or None when not connected."""
+        with self._lock:
+            ch = self._channel()
+            if ch is None:
+                return None
+            req = next(self._ids)
+            t0 = time.perf_counter()
+            try:
+                ch.send({"op": op, "id": req})
+                m = ch.recv_until(lambda m: m["op"] == reply and m["id"] == req, 5.0)
+            except (OSError, ProtocolError) as exc:
+                self._lost(f"lost the daemon ({exc})")
+                return None
+            return m, time.perf_counter() - t0
+
     def _await_grant(self, ch: _Channel, req: int, timeout: float) -> None:
         """Wait for the grant of request ``req``; ping the daemon when it is silent for ``probe_s``."""
         deadline = time.monotonic() + timeout
@@ -425,9 +448,8 @@ class SchedulerClient:
     def acquire(self, dev: str, seq: int) -> bool:
         """Block until this worker's job has ``dev`` for step ``seq``. False: not coordinated (no daemon)."""
         with self._lock:
-            ch = self._ch
+            ch = self._channel()
             if ch is None:
-                self._reattach_later()
                 return False
             req = next(self._ids)
             timeout = self.acquire_timeout
@@ -459,35 +481,13 @@ class SchedulerClient:
 
     def ping(self) -> float | None:
         """Round-trip time to the daemon in seconds, or None when not connected."""
-        with self._lock:
-            ch = self._ch
-            if ch is None:
-                self._reattach_later()
-                return None
-            req = next(self._ids)
-            t0 = time.perf_counter()
-            try:
-                ch.send({"op": "ping", "id": req})
-                ch.recv_until(lambda m: m["op"] == "pong" and m["id"] == req, 5.0)
-            except (OSError, ProtocolError) as exc:
-                self._lost(f"lost the daemon ({exc})")
-                return None
-            return time.perf_counter() - t0
+        answer = self._ask("ping", "pong")
+        return None if answer is None else answer[1]
 
     def status(self) -> dict[str, Any] | None:
         """The daemon's view of devices, turns and jobs, or None when not connected."""
-        with self._lock:
-            ch = self._ch
-            if ch is None:
-                self._reattach_later()
-                return None
-            req = next(self._ids)
-            try:
-                ch.send({"op": "status", "id": req})
-                return ch.recv_until(lambda m: m["op"] == "status" and m["id"] == req, 5.0)["state"]
-            except (OSError, ProtocolError) as exc:
-                self._lost(f"lost the daemon ({exc})")
-                return None
+        answer = self._ask("status", "status")
+        return None if answer is None else answer[0]["state"]
 
     def __enter__(self) -> SchedulerClient:
         return self

@@ -1,7 +1,7 @@
 """AdaptiveCompression / StaticCompression inside real 2-rank Horovod jobs (Gloo, CPU)."""
 
 import torch
-from hvd_harness import run_function
+from hvd_harness import assert_as_accurate_as_dense, run_function
 
 N = 50_000  # elements of the test parameter (above min_compress_numel)
 
@@ -209,14 +209,10 @@ def test_paper_search_digits_training_matches_dense_with_10x_fewer_bytes():
     # The paper's search (an option) end to end on loopback, where it compresses by its gains alone; the
     # defaults decide by measured time too and are checked on an emulated link in test_defaults_hvd.py.
     res = run_function(digits_job, args=[20], timeout=600)
+    # dense's accuracy at 10x fewer bytes; identical weights on both ranks: every rank applied the same update
+    assert_as_accurate_as_dense(res, "adaptive", tolerance=0.01, min_ratio=10)
     for r in res:
-        d, a = r["dense"], r["adaptive"]
-        assert d["last3_accuracy"] > 0.9, "dense training itself must work for the comparison to mean anything"
-        assert a["last3_accuracy"] >= d["last3_accuracy"] - 0.01, (a["history"], d["history"])
-        assert d["dense_bytes"] == a["dense_bytes"]
-        assert a["dense_bytes"] / a["bytes_sent"] >= 10, a["compression"]
-    # identical weights on both ranks: every rank applied the same averaged update
-    assert res[0]["adaptive"]["weights_checksum"] == res[1]["adaptive"]["weights_checksum"]
+        assert r["dense"]["dense_bytes"] == r["adaptive"]["dense_bytes"]
 
 
 def resume_job(steps_before, steps_after):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hvd_harness import REPO, HorovodJobError, horovodrun_bin, run_function
+from hvd_harness import REPO, HorovodJobError, horovodrun_bin, regression_step, run_function
 
 from crossover import procgroup
 
@@ -75,7 +75,6 @@ def commit_restore_sync_job():
     import hashlib
 
     import horovod.torch as hvd
-    import numpy as np
     import torch
 
     from crossover.elastic import TorchState
@@ -92,14 +91,6 @@ def commit_restore_sync_job():
                                    named_parameters=model.named_parameters(), compression=comp)
     state = TorchState(model, opt, compression=comp, batch=0)
 
-    def step(i):
-        rng = np.random.default_rng(1000 * i + hvd.rank())
-        x = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
-        y = torch.from_numpy((rng.standard_normal((32, 128)) ** 3).astype(np.float32))
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
     def snapshot():
         sd = comp.state_dict()
         res = {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in sd.pop("residuals").items()}
@@ -108,11 +99,11 @@ def commit_restore_sync_job():
                 "weights": hashlib.sha256(weights.tobytes()).hexdigest()}
 
     for i in range(12):
-        step(i)
+        regression_step(model, opt, i)
     state.commit()
     committed = snapshot()
     for i in range(12, 20):
-        step(i)
+        regression_step(model, opt, i)
     moved = snapshot()
     state.restore()
     restored = snapshot()

@@ -4,7 +4,7 @@ accuracy at a fraction of the bytes, every rank applies the same update, and the
 from __future__ import annotations
 
 import pytest
-from hvd_harness import run_function
+from hvd_harness import assert_as_accurate_as_dense, run_function
 
 
 def momentum_job(epochs):
@@ -27,13 +27,9 @@ def momentum_job(epochs):
 
 def test_momentum_sgd_keeps_dense_accuracy_with_identical_updates():
     res = run_function(momentum_job, args=[10], timeout=600)
+    assert_as_accurate_as_dense(res, "lowrank", tolerance=0.02, min_ratio=5)
     for r in res:
-        d, lr = r["dense"], r["lowrank"]
-        assert d["last3_accuracy"] > 0.9, "dense training itself must work for the comparison to mean anything"
-        assert lr["last3_accuracy"] >= d["last3_accuracy"] - 0.02, (lr["history"], d["history"])
-        assert lr["dense_bytes"] / lr["bytes_sent"] >= 5, lr["compression"]
         assert r["summed"] == pytest.approx(3.0, rel=1e-4)  # 1 + 2 on two ranks
-    assert res[0]["lowrank"]["weights_checksum"] == res[1]["lowrank"]["weights_checksum"]
 
 
 def auto_job(epochs):

@@ -284,19 +284,25 @@ def test_idle_connections_beyond_the_descriptor_limit(sched_dir: str) -> None:
     assert any("suppressed" in x for x in lines)  # rate-limited, and says how much was left out
 
 
+def _sent(d: str, n: int, data: bytes, timeout: float = 5) -> list[socket.socket]:
+    """``n`` new connections to the daemon of ``d`` (socket timeout ``timeout``), each of which has sent ``data``."""
+    conns = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(timeout)
+        s.connect(paths.socket_path(d))
+        s.sendall(data)
+        conns.append(s)
+    return conns
+
+
 def test_accept_backs_off_when_descriptors_run_out(sched_dir: str) -> None:
     """With a connection cap above the descriptor limit (a test-only option), accept fails with EMFILE once
     workers that said hello hold every descriptor: the daemon pauses accepting instead of spinning, logs a
     few lines, and serves the queued connections as soon as descriptors are free again."""
     proc = start_daemon(sched_dir, "--hello-timeout", "30", "--max-clients", "1000", nofile=64)
     hello = encode({"op": "hello", "v": 1, "job": "idle", "member": "m", "weight": 1.0, "pid": os.getpid()})
-    conns = []
-    for _ in range(80):
-        s = socket.socket(socket.AF_UNIX)
-        s.settimeout(5)
-        s.connect(paths.socket_path(sched_dir))
-        s.sendall(hello)
-        conns.append(s)
+    conns = _sent(sched_dir, 80, hello)
     try:
         time.sleep(0.5)
         cpu0 = cpu_seconds(proc.pid)
@@ -700,13 +706,7 @@ def test_clients_stalled_mid_message_neither_lock_workers_out_nor_stay(sched_dir
     connection is closed after --read-timeout anyway."""
     start_daemon(sched_dir, "--max-clients", "20", "--read-timeout", "30")
     hello = encode({"op": "hello", "v": 1, "job": "stall", "member": "m", "weight": 1.0, "pid": os.getpid()})
-    stalled = []
-    for _ in range(20):
-        s = socket.socket(socket.AF_UNIX)
-        s.settimeout(5)
-        s.connect(paths.socket_path(sched_dir))
-        s.sendall(hello + b"\x00\x00")  # half of the next frame's header, then nothing
-        stalled.append(s)
+    stalled = _sent(sched_dir, 20, hello + b"\x00\x00")  # half of the next frame's header, then nothing
     try:
         time.sleep(0.5)
         real = SchedulerClient("real", "r0", directory=sched_dir, autostart=False)
@@ -722,10 +722,7 @@ def test_clients_stalled_mid_message_neither_lock_workers_out_nor_stay(sched_dir
     sched_harness.kill_daemons(sched_dir)
     os.unlink(paths.socket_path(sched_dir))
     start_daemon(sched_dir, "--read-timeout", "0.5")
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(10)
-    s.connect(paths.socket_path(sched_dir))
-    s.sendall(hello + b"\x00\x00\x00")
+    (s,) = _sent(sched_dir, 1, hello + b"\x00\x00\x00", timeout=10)
     t0 = time.monotonic()
     (n,) = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))
     assert json.loads(s.recv(n, socket.MSG_WAITALL))["op"] == "welcome"

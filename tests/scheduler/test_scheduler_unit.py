@@ -94,9 +94,13 @@ def test_server_messages_do_not_pass_as_client_ones() -> None:
 # --------------------------------------------------------------------------- policy
 
 
-def sched(**kw: object) -> tuple[Scheduler, list[dict]]:
+def sched(*members: tuple[str, str], **kw: object) -> tuple[Scheduler, list[dict]]:
+    """A scheduler and the events it emits; connection i (from 1) has said hello as ``members[i - 1]``, a (job,
+    member) of weight 1 and pid i."""
     events: list[dict] = []
     s = Scheduler(on_event=events.append, **kw)  # type: ignore[arg-type]
+    for conn, (job, member) in enumerate(members, 1):
+        s.hello(conn, job, member, 1.0, conn)
     return s, events
 
 
@@ -105,9 +109,7 @@ def granted(grants: list, conn: int | None = None) -> list[int]:
 
 
 def test_two_jobs_alternate_strictly() -> None:
-    s, _ = sched(align_s=0)
-    s.hello(1, "A", "a0", 1.0, 1)
-    s.hello(2, "B", "b0", 1.0, 2)
+    s, _ = sched(("A", "a0"), ("B", "b0"), align_s=0)
     now = 0.0
     assert granted(s.acquire(1, "cpu", 0, 1, now)) == [1]
     assert s.acquire(2, "cpu", 0, 1, now) == []
@@ -146,10 +148,7 @@ def test_three_jobs_round_robin_and_weights() -> None:
 
 
 def test_members_of_one_job_share_a_turn() -> None:
-    s, events = sched(align_s=0)
-    s.hello(1, "A", "a0", 1.0, 1)
-    s.hello(2, "A", "a1", 1.0, 2)
-    s.hello(3, "B", "b0", 1.0, 3)
+    s, events = sched(("A", "a0"), ("A", "a1"), ("B", "b0"), align_s=0)
     assert granted(s.acquire(1, "cpu", 0, 1, 0.0)) == [1]
     assert granted(s.acquire(2, "cpu", 0, 1, 0.1)) == [2]  # same job, same step: joins
     assert s.acquire(3, "cpu", 0, 1, 0.2) == []
@@ -162,10 +161,7 @@ def test_members_of_one_job_share_a_turn() -> None:
 
 
 def test_rejoin_only_when_nobody_else_waits() -> None:
-    s, _ = sched(align_s=0)
-    s.hello(1, "A", "a0", 1.0, 1)
-    s.hello(2, "A", "a1", 1.0, 2)
-    s.hello(3, "B", "b0", 1.0, 3)
+    s, _ = sched(("A", "a0"), ("A", "a1"), ("B", "b0"), align_s=0)
     s.acquire(1, "cpu", 5, 1, 0.0)
     s.acquire(2, "cpu", 5, 1, 0.0)
     s.release(1, "cpu", 0.1)
@@ -176,9 +172,7 @@ def test_rejoin_only_when_nobody_else_waits() -> None:
 
 
 def test_lease_expiry_hands_over_and_ignores_late_release() -> None:
-    s, events = sched(lease_s=2.0, align_s=0)
-    s.hello(1, "A", "a0", 1.0, 1)
-    s.hello(2, "B", "b0", 1.0, 2)
+    s, events = sched(("A", "a0"), ("B", "b0"), lease_s=2.0, align_s=0)
     s.acquire(1, "cpu", 0, 1, 0.0)
     assert s.tick(100.0) == []  # nobody waits: the holder may keep the device
     assert s.acquire(2, "cpu", 0, 1, 100.0) == []
@@ -193,10 +187,7 @@ def test_lease_expiry_hands_over_and_ignores_late_release() -> None:
 
 
 def test_disconnect_releases_and_cancels() -> None:
-    s, _ = sched(align_s=0)
-    s.hello(1, "A", "a0", 1.0, 1)
-    s.hello(2, "B", "b0", 1.0, 2)
-    s.hello(3, "C", "c0", 1.0, 3)
+    s, _ = sched(("A", "a0"), ("B", "b0"), ("C", "c0"), align_s=0)
     s.acquire(1, "cpu", 0, 1, 0.0)
     s.acquire(2, "cpu", 0, 1, 0.0)
     s.acquire(3, "cpu", 0, 1, 0.0)
@@ -207,9 +198,7 @@ def test_disconnect_releases_and_cancels() -> None:
 
 
 def test_alignment_holds_an_idle_device_briefly_for_the_job_due_next() -> None:
-    s, events = sched(align_s=0.002)
-    s.hello(1, "A", "a0", 1.0, 1)
-    s.hello(2, "B", "b0", 1.0, 2)
+    s, events = sched(("A", "a0"), ("B", "b0"), align_s=0.002)
     s.acquire(1, "cpu", 0, 1, 0.0)
     s.acquire(2, "cpu", 0, 1, 0.0)
     s.release(1, "cpu", 1.0)  # A's turn ends, B's starts
@@ -225,8 +214,7 @@ def test_alignment_holds_an_idle_device_briefly_for_the_job_due_next() -> None:
 
 
 def test_new_job_starts_level_and_state_errors() -> None:
-    s, _ = sched(align_s=0)
-    s.hello(1, "A", "a0", 1.0, 1)
+    s, _ = sched(("A", "a0"), align_s=0)
     for i in range(5):
         s.acquire(1, "cpu", i, i, float(i))
         s.release(1, "cpu", i + 0.5)

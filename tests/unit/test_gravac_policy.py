@@ -8,6 +8,7 @@ import math
 import random
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -619,20 +620,24 @@ def test_dense_is_not_timed_when_cf_10_vs_100_puts_it_far_out_of_reach() -> None
         assert 1.0 not in sent(plans) and policy.send_cf == 100.0
 
 
+def drifting_link(before: dict[float, float], after: dict[float, float], at: int, steps: int,
+                  **kw: Any) -> tuple[GravacPolicy, list[float]]:
+    """A default GravacPolicy driven ``steps`` steps (``kw``: more of drive_ladder's arguments) on a link whose
+    step time per CF is ``before`` until step ``at`` and ``after`` from then on; the policy and the CFs it sent.
+    Checks that the drift was seen: CF 10 was timed after it."""
+    policy = GravacPolicy()
+    cfs = sent(drive_ladder(policy, steps, time=lambda cf, t: (before if t < at else after)[cf], **kw))
+    assert 10.0 in cfs[at:]  # the drift was seen and CF 10 timed
+    return policy, cfs
+
+
 def test_a_drift_check_walks_down_only_to_a_cf_that_is_faster() -> None:
     # CF 100 settles (CF 10 is twice as slow); from step 100 on the link gets faster: CF 100's steps by
     # 30 %, which re-opens the search downward. CF 10 is then within omega of CF 100 but still slower:
     # the run stays at CF 100 (a first search prefers the lower CF within omega; a drift check, which a
     # few fast steps of a noisy machine can start, needs a real gain).
-    def time(cf: float, t: int) -> float:
-        if t < 100:
-            return {100.0: 0.010, 10.0: 0.020, 1.0: 0.2}[cf]
-        return {100.0: 0.007, 10.0: 0.0075, 1.0: 0.1}[cf]
-
-    policy = GravacPolicy()
-    plans = drive_ladder(policy, 400, time=time)
-    cfs = sent(plans)
-    assert 10.0 in cfs[100:]  # the drift was seen and CF 10 timed
+    policy, cfs = drifting_link({100.0: 0.010, 10.0: 0.020, 1.0: 0.2}, {100.0: 0.007, 10.0: 0.0075, 1.0: 0.1},
+                                at=100, steps=400)
     assert policy.send_cf == 100.0 and cfs[-100:] == [100.0] * 100
 
 
@@ -641,15 +646,8 @@ def test_a_drift_check_predicts_dense_from_the_settled_cf_s_time_now_not_from_it
     # steps (9.5 ms); later its steps took 6.8 ms, a drift check timed CF 10 at 11.2 ms, and dense, predicted
     # from the stale 9.5 ms at only 4x CF 100's time, was timed: 4 steps of 100 ms. From CF 100's 6.8 ms of
     # now the prediction is 8x: dense is skipped. (CF 100 kept 0.75 of the gradient there, CF 10 all of it.)
-    def time(cf: float, t: int) -> float:
-        if t < 40:
-            return {100.0: 0.0095, 10.0: 0.015, 1.0: 0.1}[cf]
-        return {100.0: 0.0068, 10.0: 0.0112, 1.0: 0.1}[cf]
-
-    policy = GravacPolicy()
-    plans = drive_ladder(policy, 300, gain=lambda cf, t: 0.75 if cf == 100.0 else 1.0, time=time)
-    cfs = sent(plans)
-    assert 10.0 in cfs[40:]  # the drift was seen and CF 10 timed
+    policy, cfs = drifting_link({100.0: 0.0095, 10.0: 0.015, 1.0: 0.1}, {100.0: 0.0068, 10.0: 0.0112, 1.0: 0.1},
+                                at=40, steps=300, gain=lambda cf, t: 0.75 if cf == 100.0 else 1.0)
     assert 1.0 not in cfs and policy.send_cf == 100.0
 
 
