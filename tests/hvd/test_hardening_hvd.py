@@ -622,25 +622,37 @@ def test_full_disk_stops_the_log_not_training(full_disk):
 # ------------------------------------------------------------------------------------------------
 # Issue 27, weak items: fp16/fp64 models are said once and stats() reports what was sent (CF 1)
 # ------------------------------------------------------------------------------------------------
-def _dtype_run(make, dtype: torch.dtype, steps: int = 4) -> dict:
-    import logging
+class _Heard:
+    """The messages logged under "horovod_ext" while in the block (`said`)."""
 
+    def __enter__(self) -> list[str]:
+        import logging
+
+        said: list[str] = []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("horovod_ext").addHandler(self.handler)
+        return said
+
+    def __exit__(self, *exc: object) -> None:
+        import logging
+
+        logging.getLogger("horovod_ext").removeHandler(self.handler)
+
+
+def _train_with(comp, dtype: torch.dtype = torch.float32, steps: int = 4) -> None:
     import horovod.torch as hvd
 
-    said: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(record.getMessage())
-
-    keep = Keep()
-    logging.getLogger("horovod_ext").addHandler(keep)
-    comp = make()
     model = _net().to(dtype)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), compression=comp)
     _steps(model, opt, steps, dtype)
-    logging.getLogger("horovod_ext").removeHandler(keep)
+
+
+def _dtype_run(make, dtype: torch.dtype, steps: int = 4) -> dict:
+    with _Heard() as said:
+        comp = make()
+        _train_with(comp, dtype, steps)
     st = comp.stats()
     return {"cf": st["compression_factor"], "step": st["step"], "sent": st["bytes_sent"], "dense": st["bytes_dense"],
             "said": [m for m in said if "no gradient was compressed" in m]}
@@ -666,6 +678,29 @@ def test_fp16_fp64_models_said_once_and_stats_honest():
             else:
                 assert got["cf"] == 1.0 and got["sent"] == got["dense"], (name, got)
                 assert len(got["said"]) == 1 and name.split("-")[1] in got["said"][0], (name, got["said"])
+
+
+def threads_job() -> list[int]:
+    """Three objects in one process: 1 torch thread a rank, then as many as the cores (2 ranks oversubscribe
+    them), then again: the warning is said at the second object's first step, and once per process."""
+    import os
+
+    from crossover import StaticCompression
+
+    counts = []
+    with _Heard() as said:
+        for threads in (1, len(os.sched_getaffinity(0)), len(os.sched_getaffinity(0))):
+            torch.set_num_threads(threads)
+            _train_with(StaticCompression("topk", cf=4, min_compress_numel=1), steps=2)
+            counts.append(len([m for m in said if "oversubscribe" in m and "OMP_NUM_THREADS=" in m]))
+    return counts
+
+
+def test_oversubscribed_cpu_said_once():
+    """horovodrun leaves torch's threads at the core count in every rank (torchrun sets 1): on CPU tensors the
+    Horovod objects say so once, naming OMP_NUM_THREADS."""
+    for r in run_function(threads_job, timeout=300):
+        assert r == [0, 1, 1], r
 
 
 # ------------------------------------------------------------------------------------------------
