@@ -64,14 +64,16 @@ def _say_oversubscribed() -> None:
     """Warn once when this host's ranks x torch's threads exceed its cores: torchrun sets OMP_NUM_THREADS=1 for
     that, horovodrun does not (measured: a CNN's step at CF 10 on 2 cores, 89 ms with 2 threads a rank, 26 with 1)."""
     global _threads_said
+    if _threads_said:
+        return
     local, threads = hvd.local_size(), torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if not _threads_said and local > 1 and local * threads > cores:
+    if local > 1 and local * threads > cores:
         _threads_said = True
+        fit = max(1, cores // local)
         log.warning("crossover: %d ranks on this host x %d torch threads each oversubscribe its %d cores (steps run "
                     "several times slower on CPU tensors): set OMP_NUM_THREADS=%d for horovodrun, or call "
-                    "torch.set_num_threads(%d) in each rank, as torchrun does", local, threads, cores,
-                    max(1, cores // local), max(1, cores // local))
+                    "torch.set_num_threads(%d) in each rank, as torchrun does", local, threads, cores, fit, fit)
 
 guard_constructors(hvd, ("DistributedOptimizer",))  # compression=AdaptiveCompression (the class) fails there
 
