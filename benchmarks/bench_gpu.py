@@ -350,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             codec = SparseCodec(comp, error_feedback=True, seed=1, grad_norms=True)
             rec = StepRecord(step=1, sent_cf=1 / args.density, probes=(1 / args.density,))
 
-            kind, _ = transport.sparse_route(rec, g.numel(), grp.size(), shared_indices=codec.selector.shared_indices,
-                                             alltoall=False)
+            kind, _ = transport.sparse_route(g.numel(), grp.size(), rec.sent_cf, rec.probes, rec.transport,
+                                             codec.selector.shared_indices, False)
 
             def sc(codec=codec, rec=rec, kind=kind) -> None:
                 payload, ctx, _ = codec.encode("w", g, rec, 0.1, grp, kind)

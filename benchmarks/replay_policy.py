@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from crossover.adaptive.gravac import GravacPolicy
-from crossover.driver import StepLog
+from crossover.driver import StepLog, StepRecord
 
 _REPLAYABLE_GAINS = ("delivered", "norm")
 
@@ -72,7 +72,7 @@ def replay(rows: Sequence[dict[str, str]], settings: dict[str, Any] | None = Non
     policy.expect_momentum()  # as the step driver does; the `momentum` column then caps it (older logs: no cap)
     replayed = []
     for i in range(len(rows)):
-        stats = StepLog.row_stats(rows[i - 2]) if i >= 2 else None
+        stats = StepRecord.log_row_stats(rows[i - 2]) if i >= 2 else None
         if stats is not None:
             policy.observe(stats)
         replayed.append(policy.plan().send_cf)

@@ -59,7 +59,7 @@ import torch  # noqa: E402
 
 from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats  # noqa: E402
 from crossover.adaptive.static import StaticPolicy  # noqa: E402
-from crossover.compression import cost_model, kernels, payloads  # noqa: E402
+from crossover.compression import cost_model, kernels, sparse_codec  # noqa: E402
 from crossover.compression.collectives import SimulatedGroup  # noqa: E402
 from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
 from crossover.driver import SparseStepDriver, transport  # noqa: E402
@@ -483,13 +483,14 @@ class Simulator:
             encoded = []
             for r, rk in enumerate(ranks):
                 t0 = time.perf_counter()
-                kind, _ = transport.sparse_route(rk.driver.current, numel, world, shared_indices=False, alltoall=False)
+                rec = rk.driver.current
+                kind, _ = transport.sparse_route(numel, world, rec.sent_cf, rec.probes, rec.transport, False, False)
                 encoded.append(rk.codec.encode(name, grads[r][i], rk.driver.current, rk.driver.last_step_time, rk.comm,
                                                kind, momentum=self.momentum))
                 measured += (time.perf_counter() - t0) / world
             reduced = torch.stack([payload for payload, _, _ in encoded]).mean(0)
             ctx0 = encoded[0][1]
-            if ctx0.kind == payloads.ALLGATHER:
+            if ctx0.kind == sparse_codec.ALLGATHER:
                 gather.append((max(ctx.idx.numel() for _, ctx, _ in encoded), numel))
             dense_elems += reduced.numel()
             sent += statistics.fmean(nbytes for _, _, nbytes in encoded)

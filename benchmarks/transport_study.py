@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from crossover.compression import agreed, cost_model, payloads
+from crossover.compression import agreed, cost_model, sparse_codec
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.selectors import Selection
 from crossover.compression.sparse_codec import SparseCodec
@@ -87,7 +87,7 @@ class _Leader(SparseCodec):
         score = grad if residual is None else residual + grad
         return agreed.propose(score, sel.idx.numel(), 1, 1.0)
 
-    def _next_set(self, gathered: torch.Tensor, world: int, ctx: payloads.SparseCtx, seed: int) -> torch.Tensor:
+    def _next_set(self, gathered: torch.Tensor, world: int, ctx: sparse_codec.SparseCtx, seed: int) -> torch.Tensor:
         rows = gathered.reshape(world, -1)
         return agreed.merge_proposals(rows[ctx.step % world], 1, ctx.step, ctx.k, ctx.numel, seed)
 
@@ -95,9 +95,10 @@ class _Leader(SparseCodec):
 class _Reduced(SparseCodec):
     """Next set: the largest half of this step's averaged gradient (same on every rank), the rest random."""
 
-    def decode(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, reduced: torch.Tensor, ctx: sparse_codec.SparseCtx,
+               comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
         flat, stats = super().decode(reduced, ctx, comm)
-        if ctx.kind == payloads.AGREED and ctx.key in self._agreed:
+        if ctx.kind == sparse_codec.AGREED and ctx.key in self._agreed:
             top = torch.topk(flat.reshape(-1).abs(), max(1, ctx.k // 2)).indices.to(torch.int32)
             idx = agreed.merge_proposals(top, 1, ctx.step, ctx.k, ctx.numel, ctx.step * 7919 + 1)
             self._agreed[ctx.key] = agreed.AgreedSet(ctx.step + 1, ctx.k, ctx.numel, idx,
@@ -121,15 +122,15 @@ CANDIDATES: dict[str, tuple[str, type[SparseCodec], str | None]] = {
 }
 
 
-def _bytes(label: str, ctx: payloads.SparseCtx | None, numel: int, world: int) -> float:
+def _bytes(label: str, ctx: sparse_codec.SparseCtx | None, numel: int, world: int) -> float:
     """Bytes per worker of one tensor's exchange (the cost model on what was sent)."""
-    if ctx is None or ctx.kind == payloads.DENSE:
+    if ctx is None or ctx.kind == sparse_codec.DENSE:
         return cost_model.transport_cost(cost_model.DENSE, numel, numel, world, ctx.nstats if ctx else 0).bytes
-    if ctx.kind == payloads.ALLREDUCE:
+    if ctx.kind == sparse_codec.ALLREDUCE:
         return cost_model.transport_cost(cost_model.ALLREDUCE, numel, ctx.k, world, ctx.nstats).bytes
-    if ctx.kind == payloads.ALLGATHER:
+    if ctx.kind == sparse_codec.ALLGATHER:
         return cost_model.transport_cost(cost_model.ALLGATHER, numel, ctx.idx.numel(), world, ctx.nstats).bytes
-    if ctx.kind == payloads.SCATTER:  # the entries this rank selected (a sampled threshold: about k), the kept sums
+    if ctx.kind == sparse_codec.SCATTER:  # the entries this rank selected (a sampled threshold: about k), the kept sums
         keep = cost_model.scatter_keep(ctx.k, numel, world)
         bitmap = cost_model.scatter_bitmap(ctx.k, numel, world)
         sent = world * cost_model.scatter_part_bytes(ctx.idx.numel() / world, numel, world, bitmap)
@@ -188,7 +189,7 @@ def run_one(label: str, world: int, seed: int, *, cf: float, epochs: int, width:
                     p.grad.copy_(torch.stack([g[i] for g in grads]).mean(0).view_as(p))
                     nbytes += _bytes(label, None, p.numel(), world)
                     continue
-                route, _ = transport.sparse_route(plan, p.numel(), world, shared_indices=False, alltoall=True)
+                route, _ = transport.sparse_route(p.numel(), world, send_cf, plan.probes, kind, False, True)
                 enc = [c.encode(name, grads[r][i], plan, 0.0, views[r], route) for r, c in enumerate(codecs)]
                 reduced = torch.stack([e[0] for e in enc]).mean(0)
                 if pool is None:

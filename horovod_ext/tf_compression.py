@@ -30,8 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from crossover.adaptive.static import StaticPolicy
-from crossover.compression.cost_model import INDEX_BYTES, gather_bitmap_bytes
-from crossover.compression.wire import SparseStatsLayout, shared_seed
+from crossover.compression.wire import INDEX_BYTES, SparseStatsLayout, gather_bitmap_bytes, shared_seed
 from crossover.driver import (
     CfPolicy,
     SparseStepDriver,
@@ -85,7 +84,7 @@ def _stratified_indices(numel: int, k: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
 
 
 # The allgather's payload is rows of two int32. Where a bitmap costs fewer bytes than the indices
-# (crossover.compression.cost_model.gather_bitmap: 4 k > ceil(n / 64) 8, about k > n / 32), a rank sends a bit per
+# (crossover.compression.wire.gather_bitmap: 4 k > ceil(n / 64) 8, about k > n / 32), a rank sends a bit per
 # element (element i: bit i % 8 of byte i // 8) in ceil(n / 64) rows, then its k values in ascending index order,
 # two per row; else (index, value) pairs. Every rank sends the same k (exact top-k at the step's CF), so the rule and
 # the rows agree on every rank. Bytes go into the int32 rows by bitcast and come out the same way: no byte order.
@@ -227,7 +226,7 @@ class _SparseCompression(TFHookBase):
                           tf.sqrt(sq_floor), tf.sqrt(sq_cand)])
         name = f"crossover.allgather.{self._uid}.{safe_name(key)}"
         bitmap_bytes = gather_bitmap_bytes(numel)
-        bitmap = tf.cast(k_send, tf.int64) * INDEX_BYTES > bitmap_bytes  # cost_model.gather_bitmap, in graph
+        bitmap = tf.cast(k_send, tf.int64) * INDEX_BYTES > bitmap_bytes  # wire.gather_bitmap, in graph
 
         def dense_branch():
             return (tf.concat([acc, stats], 0), tf.zeros([0, 2], tf.int32), tf.zeros([0], tf.int32),

@@ -12,8 +12,9 @@ from crossover.driver import transport
 def sparse_encode(codec: Any, key: str, grad: torch.Tensor, plan: Any, step_time: float, comm: Any,
                   momentum: float = 0.0) -> tuple[torch.Tensor, Any, int]:
     """`SparseCodec.encode` with the transport the session would decide for `plan`."""
-    kind, _ = transport.sparse_route(plan, grad.numel(), comm.size(), shared_indices=codec.selector.shared_indices,
-                                     alltoall=hasattr(comm, "alltoall_async"))
+    kind, _ = transport.sparse_route(grad.numel(), comm.size(), plan.sent_cf, tuple(plan.probes),
+                                     getattr(plan, "transport", None), codec.selector.shared_indices,
+                                     hasattr(comm, "alltoall_async"))
     return codec.encode(key, grad, plan, step_time, comm, kind, momentum=momentum)
 
 

@@ -6,9 +6,10 @@ A setting that Python would coerce silently is refused instead: ``bool("False")`
 
 from __future__ import annotations
 
+import math
 import numbers
 
-__all__ = ["SEED_MAX", "check_flag", "check_seed"]
+__all__ = ["SEED_MAX", "check_flag", "check_int", "check_real", "check_seed"]
 
 #: Seeds are mixed into 63-bit per-(step, tensor) seeds (``wire.shared_seed``) and saved in checkpoints as
 #: JSON-able ints: one signed 64-bit range keeps them exact everywhere.
@@ -28,3 +29,17 @@ def check_seed(value: object, name: str = "seed") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not -SEED_MAX - 1 <= value <= SEED_MAX:
         raise ValueError(f"{name} must be an int in [-2**63, 2**63 - 1], the same on every rank; got {value!r}")
     return int(value)
+
+
+def check_int(what: str, v: object, lo: int) -> int:
+    """`v` as an int (numpy integers too) if it is one and >= lo, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
+    return int(v)
+
+
+def check_real(what: str, v: object, lo: float) -> float:
+    """`v` as a float if it is a finite real number >= lo, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < lo:
+        raise ValueError(f"{what} must be a finite number >= {lo:g}, got {v!r}")
+    return float(v)

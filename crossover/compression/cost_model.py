@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from crossover.compression.wire import INDEX_BYTES, gather_bitmap, gather_bitmap_bytes
+
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
            "allgather_bytes", "allreduce_bytes", "gather_bitmap", "gather_bitmap_bytes",
@@ -58,10 +60,9 @@ POWERSGD = "powersgd"  # modelled only: two allreduces of k/2 values (low-rank f
 CODEC_TRANSPORTS = (DENSE, ALLREDUCE, ALLGATHER, AGREED, SCATTER)
 MODELLED = (DENSE, FP16, ALLGATHER, ALLREDUCE, AGREED, SCATTER, GTOPK, OKTOPK, POWERSGD)
 
-INDEX_BYTES = 4
 VALUE_BYTES = 4
 PAIR_BYTES = INDEX_BYTES + VALUE_BYTES
-GATHER_HEADER_BYTES = 16  # transport.HEADER_ROWS rows of two int32 per rank, before its pairs
+GATHER_HEADER_BYTES = 16  # sparse_codec.HEADER_ROWS rows of two int32 per rank, before its pairs
 AGREED_CHECK = 8  # floats after the agreed values: four hashes of the index set and their squares
 #: Proposals fill an agreed set only while W k (the elements the ranks' own top-k lists cover together) is at most
 #: this share of the tensor (CF >= 2 W): on the digits MLP they gained 3.5 and 11 points at CF 10 on 2 and 4 ranks
@@ -161,19 +162,6 @@ def scatter_bitmap(k: int, numel: int, world: int) -> bool:
 def scatter_part_bytes(entries: float, numel: int, world: int, bitmap: bool) -> float:
     """Bytes of one message of the sparse reduce-scatter carrying ``entries`` entries to or from one owner."""
     return scatter_bitmap_bytes(numel, world) + VALUE_BYTES * entries if bitmap else PAIR_BYTES * entries
-
-
-def gather_bitmap_bytes(numel: int) -> int:
-    """Bytes of the bitmap of a whole tensor in the allgather: a bit per element, in whole rows of the allgather's
-    payload (two int32: 64 bits)."""
-    return math.ceil(int(numel) / 64) * 8
-
-
-def gather_bitmap(k: int, numel: int) -> bool:
-    """Whether a rank's k selected entries of ``numel`` go by allgather as a bitmap + values (else (index, value)
-    pairs): when the bitmap costs less than the indices, ``bitmap < 4 k`` (about k > n / 32). The same on every
-    rank."""
-    return gather_bitmap_bytes(numel) < INDEX_BYTES * int(k)
 
 
 def gather_part_bytes(k: int, numel: int, bitmap: bool) -> float:

@@ -28,6 +28,7 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,7 +65,67 @@ _SIGNATURES = {
 # Build and load
 # ----------------------------------------------------------------------------------------------
 
-_LIBRARY = _native.LazyLibrary(SOURCE, "crossover_kernels", CFLAGS, _SIGNATURES, "crossover kernels", log)
+class LazyLibrary:
+    """One C source, built into the cache and loaded on first use, once per process (thread-safe).
+
+    ``active()`` is the library unless it failed to build or load, ``enabled`` was set False (the
+    module's ``use_kernels``), the ``parent`` library is disabled, or ``$CROSSOVER_NO_KERNELS`` is set
+    (read at each call); callers then take their torch fallbacks. A failure is warned once.
+    """
+
+    def __init__(self, source: Path, stem: str, cflags: Sequence[str], signatures: Mapping[str, list],
+                 what: str, log: logging.Logger, parent: LazyLibrary | None = None) -> None:
+        self.source, self.stem, self.cflags, self.what = source, stem, tuple(cflags), what
+        self._signatures, self._log, self._parent = signatures, log, parent
+        self.enabled = True
+        self.warned = False
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def warn_once(self, msg: str) -> None:
+        """Log `msg` as the reason for the fallback, the first time only."""
+        if not self.warned:
+            self.warned = True
+            self._log.warning("%s; crossover runs pure-torch fallbacks instead of the %s (slower)", msg, self.what)
+
+    def path(self) -> Path:
+        """Where the library for the current source, flags and machine lives (built or not)."""
+        return _native.library_path(_native.cache_dir(), self.stem, self.source, self.cflags)
+
+    def build(self) -> str | None:
+        """Compile the source into the cache unless already there; the library path or None (warned)."""
+        try:
+            target = self.path()
+        except OSError as e:
+            self.warn_once(f"cannot read the source {self.source}: {e}")
+            return None
+        return _native.compile_library(self.source, target, _native.compiler(), self.cflags, self.warn_once, self.what)
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library, building it the first time."""
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                path = self.build()
+                if path is not None:
+                    self._lib = _native.load_library(path, self._signatures, self.warn_once, self.what)
+                self._tried = True
+            return self._lib
+
+    def on(self) -> bool:
+        """Enabled here, in the parent, and not turned off by $CROSSOVER_NO_KERNELS."""
+        if not self.enabled or (self._parent is not None and not self._parent.enabled):
+            return False
+        return os.environ.get("CROSSOVER_NO_KERNELS", "") in ("", "0")
+
+    def active(self) -> ctypes.CDLL | None:
+        """The library when it is on and loads, else None."""
+        return self.get() if self.on() else None
+
+
+_LIBRARY = LazyLibrary(SOURCE, "crossover_kernels", CFLAGS, _SIGNATURES, "crossover kernels", log)
 
 
 def build_kernels() -> str | None:

@@ -75,7 +75,6 @@ from pathlib import Path
 
 import torch
 
-from crossover.compression import _native
 from crossover.compression import kernels as _K
 from crossover.compression.wire import MAX_BITS, MIN_BITS, levels_for_bits
 
@@ -132,7 +131,7 @@ _SIGNATURES = {
 # Build and load (kernels.py's use_kernels(False) turns this library off too)
 # ----------------------------------------------------------------------------------------------
 
-_LIBRARY = _native.LazyLibrary(SOURCE, "crossover_quantize", CFLAGS, _SIGNATURES, "crossover quantizer", log,
+_LIBRARY = _K.LazyLibrary(SOURCE, "crossover_quantize", CFLAGS, _SIGNATURES, "crossover quantizer", log,
                                parent=_K._LIBRARY)
 
 

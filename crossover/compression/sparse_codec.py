@@ -1,35 +1,47 @@
 """Sparsification with error feedback, multi-level probes and a transport per tensor: one codec for
-every host (horovod.torch's compression objects, the PyTorch DDP hook).
+every host (horovod.torch's compression objects, the PyTorch DDP hook), and its wire formats.
 
-`SparseCodec.encode(key, tensor, rec, step_time, comm)` compresses one gradient for the step
+`SparseCodec.encode(key, tensor, rec, step_time, comm, kind)` compresses one gradient for the step
 described by `rec` (a `StepPlan`, such as the step driver's record: the CF to send and the CFs to probe)
 and returns the payload the host reduces; `decode` turns the reduced payload back into the averaged
 gradient and the reduced statistics vector, which the host hands to the step driver.
 
 Parts (GRACE's split): a selector (`selectors.py`, rank-specific top-k class or shared-index
-random-k), an error-feedback memory (`memory.py`), transports (`transport.py`) behind the
-`Collectives` interface, the cost model choosing the transport. A plan whose ``transport`` is
-``cost_model.AGREED`` sends a rank-specific selector's tensors at the index set agreed the step before
-(`agreed.py`): one allreduce of k values instead of an allgather of every rank's k pairs; one whose
+random-k), an error-feedback memory (`memory.py`), and the wire formats at the end of this module behind the
+`Collectives` interface: dense, values at shared or agreed indices by allreduce, pairs or a bitmap by allgather,
+the sparse reduce-scatter. The step session decides `kind` per tensor (crossover/driver/transport.py). A plan
+whose ``transport`` is ``cost_model.AGREED`` sends a rank-specific selector's tensors at the index set agreed the
+step before (`agreed.py`): one allreduce of k values instead of an allgather of every rank's k pairs; one whose
 ``transport`` is ``cost_model.SCATTER`` sends them by the sparse reduce-scatter (`scatter.py`): an alltoall to
 the indices' owners in `encode`, the owners' largest sums by allgather in `decode` (hosts with `alltoall_async`).
+
+The statistics vector rides along: appended to summable payloads, or alone as the host's allreduce when the
+values travel by allgather. The host's reduction may average or sum, with pre/postscale factors: `receive` is
+told `weight = reduced_one / world`, the factor the host applied to a sum (1/world for Average, 1 for Sum), and
+applies it to allgathered values, which the host never scaled.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from . import agreed, cost_model, kernels, payloads, scatter
+from . import agreed, cost_model, kernels, scatter
 from .checks import check_seed
-from .collectives import Collectives
+from .collectives import AlltoallCollectives, Collectives
 from .memory import ErrorFeedback
 from .selectors import Selection, Selector, apply_mask, k_for, make_selector, take_at
-from .wire import CHECK_LEN, Agreement, SparseStatsLayout, shared_seed
+from .wire import CHECK_LEN, Agreement, SparseStatsLayout, gather_bitmap, gather_bitmap_bytes, shared_seed
 
-__all__ = ["SparseCodec", "StepPlan"]
+__all__ = ["SparseCodec", "SparseCtx", "StepPlan", "gather_rows", "receive", "send_allgather", "split_stats"]
+
+DENSE, ALLREDUCE, ALLGATHER, AGREED, SCATTER = (cost_model.DENSE, cost_model.ALLREDUCE, cost_model.ALLGATHER,
+                                                 cost_model.AGREED, cost_model.SCATTER)  # what ctx.kind says
 
 
 class StepPlan(Protocol):
@@ -38,6 +50,33 @@ class StepPlan(Protocol):
     step: int  # steps begun, identical on every rank: seeds the shared random choices
     sent_cf: float  # the CF to send (1 = dense)
     probes: tuple[float, ...]  # the CFs whose norms to measure
+
+
+@dataclass
+class SparseCtx:
+    """What `receive` needs to decode one tensor's reduced payload."""
+
+    kind: str  # DENSE, ALLREDUCE, ALLGATHER, AGREED or SCATTER
+    key: str
+    shape: torch.Size
+    numel: int
+    nstats: int
+    handle: Any = None
+    idx: torch.Tensor | None = None  # the indices this rank sent (ALLREDUCE: every rank's)
+    k: int = 0
+    # to undo a non-finite step (SparseCodec.decode): references, no copies; dropped after decode
+    val: torch.Tensor | None = None  # the values this rank sent
+    grad: torch.Tensor | None = None  # this rank's flat gradient (its storage, as compress saw it)
+    residual: torch.Tensor | None = None
+    local_finite: bool = True  # this rank's gradient (+ residual) statistics were finite
+    stats_apart: torch.Tensor | None = None  # a dense payload's statistics, for the host to reduce on its own
+    stats_handle: Any = None  # the host's reduction of stats_apart in flight
+    gather: Any = None  # SCATTER: the allgather of the owners' kept sums, once started
+    step: int = 0  # AGREED, SCATTER: the step; AGREED: the fingerprint of the set this rank used
+    bitmap: bool = False  # ALLGATHER: every rank sent a bitmap of the tensor and k values (else k pairs)
+    hashes: tuple[int, ...] = ()
+    agreement: Any = None  # what the ranks must do alike with the tensor (wire.Agreement), checked in decode
+    error: BaseException | None = None  # SCATTER: met while another tensor's decode waited for this one's alltoall
 
 
 class SparseCodec:
@@ -53,7 +92,7 @@ class SparseCodec:
         # torch.distributed on Gloo): an overshoot of the selector returns to the residual, a shortfall
         # is padded with pairs that add nothing.
         self.fixed_gather = bool(fixed_gather)
-        # With exactly k values per rank, a selection dense enough (cost_model.gather_bitmap: about CF < 32) goes as
+        # With exactly k values per rank, a selection dense enough (wire.gather_bitmap: about CF < 32) goes as
         # a bitmap of the tensor and its values (a third fewer bytes at CF 10). False: always pairs (an A/B switch,
         # like the Horovod objects' `grouped`; set it alike on every rank).
         self.gather_bitmap = self.fixed_gather
@@ -69,7 +108,7 @@ class SparseCodec:
         self._zeroed: dict[str, torch.Tensor] = {}  # key -> its residual, known all-zero since a dense send
         self._agreed: dict[str, agreed.AgreedSet] = {}  # key -> the index set agreed for its next step
         self._scores: dict[str, torch.Tensor] = {}
-        self._scatters: list[payloads.SparseCtx] = []  # SCATTER tensors of the step whose allgather has not begun
+        self._scatters: list[SparseCtx] = []  # SCATTER tensors of the step whose allgather has not begun
 
     def forget_agreed(self) -> None:
         """Drop every agreed index set (elastic reset): the next step of each tensor draws its set from the
@@ -86,7 +125,7 @@ class SparseCodec:
         self._agreed = agreed.sets_from_state(state)
 
     def encode(self, key: str, tensor: torch.Tensor, rec: StepPlan, step_time: float, comm: Collectives,
-               kind: str, momentum: float = 0.0) -> tuple[torch.Tensor, payloads.SparseCtx, int]:
+               kind: str, momentum: float = 0.0) -> tuple[torch.Tensor, SparseCtx, int]:
         """(payload for the host's reduction, context for `decode`, bytes this rank sends). `kind`: the tensor's
         transport, decided by the caller (crossover/driver/transport.py: DENSE for a step that sends dense);
         `momentum`: the optimizer's, reported to the policy in the statistics (wire.SparseStatsLayout)."""
@@ -125,13 +164,13 @@ class SparseCodec:
         acc_sq = sel.sumsq_acc if sel is not None else kernels.sumsq(acc)
         layout = SparseStatsLayout(len(rec.probes))
         bitmap = bool(kind == cost_model.ALLGATHER and self.fixed_gather and self.gather_bitmap
-                      and cost_model.gather_bitmap(k, numel))
+                      and gather_bitmap(k, numel))
         agree = self._agreement(tensor, rec, kind, comm, bitmap)
         stats = torch.tensor(layout.local(step_time=step_time, grad_sq=acc_sq if grad_sq is None else grad_sq,
                                           acc_sq=acc_sq, probe_sq=[sq.get(cf, acc_sq) for cf in rec.probes],
                                           checks=agree.values(comm.size()), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
-        ctx = payloads.SparseCtx(kind=payloads.DENSE, key=key, shape=tensor.shape, numel=numel,
+        ctx = SparseCtx(kind=DENSE, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, grad=grad, residual=residual, agreement=agree,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
@@ -146,20 +185,20 @@ class SparseCodec:
                 payload = grad.copy_(acc) if acc is residual else acc
                 ctx.stats_apart = stats
             else:
-                payload = payloads.send_dense(acc, stats)
+                payload = send_dense(acc, stats)
             if acc is residual:  # the residual went out whole: zero until a compressed step
                 residual.zero_()
                 self._zeroed[key] = residual
             return payload, ctx, (numel + stats.numel()) * 4
         if kind == cost_model.ALLREDUCE:
-            ctx.kind, ctx.k = payloads.ALLREDUCE, sel.idx.numel()
-            payload = payloads.send_shared(sel, stats)
+            ctx.kind, ctx.k = ALLREDUCE, sel.idx.numel()
+            payload = send_shared(sel, stats)
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.SCATTER:
-            payload, ctx.handle, nbytes = payloads.send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
+            payload, ctx.handle, nbytes = send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
                                                                  numel, cost_model.scatter_bitmap(k, numel,
                                                                                                   comm.size()))
-            ctx.kind, ctx.k, ctx.step = payloads.SCATTER, k, rec.step
+            ctx.kind, ctx.k, ctx.step = SCATTER, k, rec.step
             self._scatters = [c for c in self._scatters if c.step == rec.step] + [ctx]  # drop an abandoned step's
             return payload, ctx, nbytes + stats.numel() * 4
         rows = sel.idx.numel()
@@ -167,16 +206,16 @@ class SparseCodec:
             if rows > k:  # keep the k largest; the rest returns to the residual
                 sel = apply_mask(sel, _largest(sel.val, k), residual)
             ctx.bitmap = bitmap
-            rows = payloads.gather_rows(k, numel, ctx.bitmap)
-        packed = self._packed_buf(key, rows + payloads.HEADER_ROWS, grad.device)
+            rows = gather_rows(k, numel, ctx.bitmap)
+        packed = self._packed_buf(key, rows + HEADER_ROWS, grad.device)
         scratch = self.selector.buffers.get(key, "gather.bitmap", numel, torch.float32, grad.device) \
             if ctx.bitmap else None
-        payload, ctx.handle = payloads.send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
+        payload, ctx.handle = send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
                                                        tensor.shape, ctx.bitmap, scratch)
-        ctx.kind, ctx.k = payloads.ALLGATHER, k
+        ctx.kind, ctx.k = ALLGATHER, k
         return payload, ctx, packed.numel() * 4 + stats.numel() * 4
 
-    def decode(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Collectives,
+    def decode(self, reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives,
                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the averaged gradient in the tensor's shape, the reduced statistics vector).
 
@@ -189,24 +228,24 @@ class SparseCodec:
         everywhere, as it would with stock Horovod.
         """
         if stats is None:
-            stats = payloads.split_stats(reduced, ctx.nstats)
+            stats = split_stats(reduced, ctx.nstats)
         host = stats.tolist()  # the one read of the reduced statistics (a device sync on a GPU)
         world = comm.size()
         if ctx.agreement is not None:  # before any wait: a disagreement raises on every rank instead of hanging
             ctx.agreement.check(host[len(host) - CHECK_LEN:], host[0], world, ctx.key, comm.rank())
         finite = all(math.isfinite(v) for v in host)
-        if ctx.kind == payloads.AGREED:
+        if ctx.kind == AGREED:
             self._receive_agreed(reduced, ctx, comm, host[0], finite)
         out = None
-        if ctx.kind != payloads.DENSE:
+        if ctx.kind != DENSE:
             out = self._outputs.get(ctx.key)
             if out is None or out.numel() != ctx.numel or out.device != reduced.device:
                 out = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
                 self._outputs[ctx.key] = out
-        if ctx.kind == payloads.SCATTER:
+        if ctx.kind == SCATTER:
             flat = self._receive_scatter(ctx, comm, finite, host[0] / world, out)
         else:
-            flat = payloads.receive(reduced, ctx, comm, out, host[0] / world)
+            flat = receive(reduced, ctx, comm, out, host[0] / world)
         if not finite:
             self._undo(ctx)
             flat.fill_(float("nan"))
@@ -215,7 +254,7 @@ class SparseCodec:
 
     def _encode_agreed(self, key: str, tensor: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None,
                        rec: StepPlan, step_time: float, comm: Collectives, levels: list[float], k: int,
-                       seed: int, momentum: float) -> tuple[torch.Tensor, payloads.SparseCtx, int]:
+                       seed: int, momentum: float) -> tuple[torch.Tensor, SparseCtx, int]:
         """Values of grad + residual at the set agreed for this step (else drawn from the seed), summed by
         the host; this rank's proposals for the next step's set by allgather; the rest stays in the residual."""
         numel, world = grad.numel(), comm.size()
@@ -240,14 +279,14 @@ class SparseCodec:
                              dtype=torch.float32, device=grad.device)
         check = torch.tensor(agreed.check_values(hashes), dtype=torch.float32, device=grad.device)
         proposals = self._propose(key, grad, residual, sel, world)
-        payload, handle = payloads.send_agreed(val, check, stats, comm, f"crossover.agreed.{key}", proposals)
-        ctx = payloads.SparseCtx(kind=payloads.AGREED, key=key, shape=tensor.shape, numel=numel,
+        payload, handle = send_agreed(val, check, stats, comm, f"crossover.agreed.{key}", proposals)
+        ctx = SparseCtx(kind=AGREED, key=key, shape=tensor.shape, numel=numel,
                                   nstats=layout.length, handle=handle, idx=idx, k=k, val=val, grad=grad,
                                   residual=residual, step=rec.step, hashes=hashes, agreement=agree,
                                   local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         return payload, ctx, payload.numel() * 4 + proposals.numel() * 4
 
-    def _receive_agreed(self, reduced: torch.Tensor, ctx: payloads.SparseCtx, comm: Collectives, one: float,
+    def _receive_agreed(self, reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, one: float,
                         finite: bool) -> None:
         """Check that every rank sent values at the same set, and agree on the next step's set (`one`: the reduced
         statistics' first entry, the factor the host applied to sums times world; `finite`: all of them are)."""
@@ -268,7 +307,7 @@ class SparseCodec:
         self._agreed[ctx.key] = agreed.AgreedSet(nxt, ctx.k, ctx.numel, idx,
                                                  agreed.fingerprint(ctx.key, nxt, "agreed", idx))
 
-    def _receive_scatter(self, ctx: payloads.SparseCtx, comm: Collectives, finite: bool, weight: float,
+    def _receive_scatter(self, ctx: SparseCtx, comm: Collectives, finite: bool, weight: float,
                          out: torch.Tensor) -> torch.Tensor:
         """Scatter every owner's kept sums into `out` and return to the residual what this rank sent that no owner
         kept. The first decode of a step starts the allgathers of every reduce-scattered tensor of the step
@@ -293,7 +332,7 @@ class SparseCodec:
             kernels.scatter_add(ctx.residual, ctx.idx[gone].contiguous(), ctx.val[gone].contiguous())
         return out
 
-    def _start_gathers(self, comm: Collectives, ctx: payloads.SparseCtx) -> None:
+    def _start_gathers(self, comm: Collectives, ctx: SparseCtx) -> None:
         """For `ctx` and every other reduce-scattered tensor of its step not begun yet, in encode order: wait for
         the alltoall, sum what this rank owns, keep the largest, start the allgather of the kept sums. Every
         rank starts every one of them, whatever its statistics say (a non-finite sum is gathered, then dropped)."""
@@ -341,12 +380,12 @@ class SparseCodec:
             torch.add(residual, grad, out=score)
         return agreed.propose(score, sel.idx.numel(), world)
 
-    def _next_set(self, gathered: torch.Tensor, world: int, ctx: payloads.SparseCtx, seed: int) -> torch.Tensor:
+    def _next_set(self, gathered: torch.Tensor, world: int, ctx: SparseCtx, seed: int) -> torch.Tensor:
         """The set for the step after ``ctx.step`` from every rank's gathered proposals (same on every rank)."""
         return agreed.merge_proposals(gathered, world, ctx.step, ctx.k, ctx.numel, seed)
 
     @staticmethod
-    def _undo(ctx: payloads.SparseCtx) -> None:
+    def _undo(ctx: SparseCtx) -> None:
         """Put the tensor's residual back as it was before this step's `encode`, without a copy.
 
         After encode the residual is `acc - sent` with `acc = grad + e_old`, so `e_old = residual +
@@ -357,7 +396,7 @@ class SparseCodec:
         res = ctx.residual
         if res is None:
             return
-        if not ctx.local_finite or ctx.kind == payloads.DENSE or ctx.idx is None:
+        if not ctx.local_finite or ctx.kind == DENSE or ctx.idx is None:
             res.zero_()
             return
         kernels.scatter_add(res, ctx.idx, ctx.val.contiguous())
@@ -379,3 +418,166 @@ def _largest(val: torch.Tensor, k: int) -> torch.Tensor:
     keep = torch.zeros(val.numel(), dtype=torch.bool, device=val.device)
     keep[torch.topk(val.abs(), k, sorted=False).indices] = True
     return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire formats: `send_*` builds what the host reduces (and starts the codec's own collective); `receive` turns the
+# reduced payload, and what was gathered, into the averaged gradient
+# ---------------------------------------------------------------------------------------------
+def send_dense(values: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """The whole tensor and the statistics, summed by the host's allreduce."""
+    return torch.cat([values, stats])
+
+
+def send_shared(sel: Selection, stats: torch.Tensor) -> torch.Tensor:
+    """Values at indices every rank shares (random-k from a shared seed): summable."""
+    return torch.cat([sel.val, stats])
+
+
+def send_agreed(val: torch.Tensor, check: torch.Tensor, stats: torch.Tensor, comm: Collectives, name: str,
+                proposals: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Values at the agreed indices, the set's check floats and the statistics, summed by the host; this
+    rank's index proposals for the next step by allgather (equal sizes on every rank; none: no allgather)."""
+    handle = comm.allgather_async(proposals, name) if proposals.numel() else None
+    return torch.cat([val, check, stats]), handle
+
+
+def send_scatter(sel: Selection, stats: torch.Tensor, comm: AlltoallCollectives, name: str, numel: int,
+                 bitmap: bool) -> tuple[torch.Tensor, Any, int]:
+    """This rank's selected entries to the ranks that own their indices, by alltoall; the host reduces only the
+    statistics. Returns (payload, handle, bytes sent)."""
+    data, splits = scatter.route(sel.idx, sel.val, comm.size(), numel, bitmap)
+    return stats, comm.alltoall_async(data, splits, name), data.numel() * data.element_size()
+
+
+HEADER_ROWS = 2  # per rank, before its rows: (count, numel), (shape hash, ndim | format << 8)
+_FORMAT_SHIFT = 8  # the header's ndim field carries the wire format above the ndim (at most 64 in torch)
+_NDIM_MASK = (1 << _FORMAT_SHIFT) - 1
+
+
+def shape_hash(shape: Sequence[int]) -> int:
+    """A 31-bit fingerprint of a tensor shape that every rank computes alike."""
+    return zlib.crc32(repr(tuple(int(d) for d in shape)).encode()) & 0x7FFFFFFF
+
+
+def _bitmap_rows(numel: int) -> int:
+    """Rows of two int32 that a tensor's bitmap fills at the start of a rank's part (the values follow)."""
+    return gather_bitmap_bytes(numel) // 8
+
+
+def gather_rows(k: int, numel: int, bitmap: bool) -> int:
+    """Rows of two int32 after the header of a rank's part of the allgather: k pairs, or the bitmap of the tensor
+    then the k values, two a row."""
+    return _bitmap_rows(numel) + (k + 1) // 2 if bitmap else k
+
+
+def send_allgather(sel: Selection, stats: torch.Tensor, comm: Collectives, name: str,
+                   packed: torch.Tensor, shape: Sequence[int], bitmap: bool = False,
+                   scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    """Rank-specific (index, value bits) pairs, or a bitmap and values, by allgather; the host reduces only the
+    statistics.
+
+    `packed` is a reusable int32 buffer of shape (HEADER_ROWS + rows, 2). The header rows carry the row count,
+    the tensor's numel and shape and the wire format, so that `receive` can split the ranks' parts and refuse
+    ranks that submitted the same name with a different shape or format (Horovod's own check only sees the
+    statistics vector, which has the same shape everywhere).
+    * pairs: rows >= the selection's count; rows beyond it are padding, (index 0, value +0.0) pairs that add
+      nothing when decoded (for hosts whose allgather needs the same size on every rank);
+    * `bitmap`: a bit per element of the tensor (`wire.gather_bitmap_bytes`), then the values of the set
+      bits in index order, padded with +0.0 to the rows' end (the selection holds at most the rows' values);
+      `scratch`: a float32 buffer of the tensor's size for the packing (any content).
+    """
+    n = sel.idx.numel()
+    rows = packed.shape[0] - HEADER_ROWS
+    numel = math.prod(shape)
+    packed[0, 0], packed[0, 1] = rows, numel
+    packed[1, 0], packed[1, 1] = shape_hash(shape), len(shape) | (int(bitmap) << _FORMAT_SHIFT)
+    body = packed[HEADER_ROWS:]
+    if bitmap:
+        head = _bitmap_rows(numel)
+        kernels.bitmap_pack(sel.idx, sel.val, numel, body[:head].view(torch.uint8).view(-1),
+                            body[head:].view(torch.float32).view(-1), scratch)
+        return stats, comm.allgather_async(packed, name)
+    body[:n, 0] = sel.idx
+    body[:n, 1] = sel.val.view(torch.int32)
+    if rows > n:
+        body[n:].zero_()
+    return stats, comm.allgather_async(packed, name)
+
+
+def _gathered_parts(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> list[torch.Tensor]:
+    """Every rank's rows, headers removed, after checking the ranks' shapes and wire format."""
+    heads = []
+    off = 0
+    for _ in range(world):  # one small header read per rank
+        if off + HEADER_ROWS > gathered.shape[0]:
+            raise RuntimeError(f"allgather of {ctx.key!r}: truncated payload (ranks disagree on the transport)")
+        (count, numel), (h, ndim) = gathered[off:off + HEADER_ROWS].tolist()
+        heads.append((off + HEADER_ROWS, count, numel, h, ndim))
+        off += HEADER_ROWS + max(0, count)
+    own = (ctx.numel, shape_hash(ctx.shape), len(ctx.shape))
+    for r, (_, count, numel, h, ndim) in enumerate(heads):
+        if (numel, h, ndim & _NDIM_MASK) != own:
+            raise RuntimeError(f"Mismatched ALLREDUCE tensor shapes: {ctx.key!r} has shape {tuple(ctx.shape)} "
+                               f"({ctx.numel} elements) here, but rank {r} of the process set sent {numel} "
+                               f"elements in {ndim & _NDIM_MASK} dimensions (crossover compression, allgather "
+                               "transport)")
+        if count < 0:
+            raise RuntimeError(f"allgather of {ctx.key!r}: rank {r}'s header gives {count} rows (a garbled payload)")
+        if ndim >> _FORMAT_SHIFT != int(ctx.bitmap):
+            raise RuntimeError(f"allgather of {ctx.key!r}: rank {r} sent another wire format (bitmap or pairs) "
+                               "than this rank (ranks disagree on how the tensor travels)")
+    if off != gathered.shape[0]:
+        raise RuntimeError(f"allgather of {ctx.key!r}: {gathered.shape[0] - off} unexpected trailing rows")
+    return [gathered[start:start + count] for start, count, *_ in heads]
+
+
+def _gathered_pairs(gathered: torch.Tensor, ctx: SparseCtx, world: int) -> torch.Tensor:
+    """Every rank's (index, value bits) pairs, headers removed, after checking the ranks' shapes."""
+    return torch.cat(_gathered_parts(gathered, ctx, world))
+
+
+def _receive_bitmaps(gathered: torch.Tensor, ctx: SparseCtx, world: int, out: torch.Tensor, weight: float) -> None:
+    """out = weight x the sum of every rank's bitmap part; raises where a part does not fit the tensor."""
+    parts = _gathered_parts(gathered, ctx, world)
+    rows = gather_rows(ctx.k, ctx.numel, True)
+    if any(p.shape[0] != rows for p in parts):
+        raise RuntimeError(f"allgather of {ctx.key!r}: parts of {[p.shape[0] for p in parts]} rows, expected {rows} "
+                           "(ranks disagree on the compression factor)")
+    head = _bitmap_rows(ctx.numel)
+    out.zero_()
+    for r, part in enumerate(parts):  # rank by rank, in index order: each index adds up as the pairs' do
+        try:
+            kernels.bitmap_add(out, part[:head].contiguous().view(torch.uint8).view(-1),
+                               part[head:].contiguous().view(torch.float32).view(-1), weight)
+        except ValueError as e:
+            raise RuntimeError(f"allgather of {ctx.key!r}, rank {r}'s part: {e} (ranks disagree on the tensor or "
+                               "on how it travels)") from None
+
+
+def split_stats(reduced: torch.Tensor, nstats: int) -> torch.Tensor:
+    """The reduced statistics vector at the end of a reduced payload."""
+    return reduced[reduced.numel() - nstats:]
+
+
+def receive(reduced: torch.Tensor, ctx: SparseCtx, comm: Collectives, out: torch.Tensor | None,
+            weight: float | None = None) -> torch.Tensor:
+    """The averaged gradient (flat) from one tensor's reduced payload; `out`: a reusable buffer; `weight`: the factor
+    the host applied to sums (the reduced statistics' first entry / world; read from them when None)."""
+    if ctx.kind == DENSE:
+        return reduced[:ctx.numel]
+    assert out is not None
+    if ctx.kind in (ALLREDUCE, AGREED):  # AGREED: the codec checks the set and waits for the proposals
+        kernels.zero_scatter(out, ctx.idx, reduced[:ctx.k].contiguous())
+        return out
+    world = comm.size()
+    if weight is None:
+        weight = float(split_stats(reduced, ctx.nstats)[0]) / world
+    if ctx.bitmap:
+        _receive_bitmaps(comm.wait(ctx.handle), ctx, world, out, weight)
+        return out
+    gathered = _gathered_pairs(comm.wait(ctx.handle), ctx, world)
+    idx = gathered[:, 0].contiguous()
+    val = gathered[:, 1].contiguous().view(torch.float32)
+    kernels.zero_scatter(out, idx, val, weight)  # indices of several ranks add up
+    return out

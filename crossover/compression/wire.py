@@ -1,5 +1,6 @@
 """What every rank derives alike, with no framework and no communication: the layout of the statistics that
-ride in a compressed payload, the per-(step, tensor) seeds, the levels of a b-bit quantization code, and what the
+ride in a compressed payload, the per-(step, tensor) seeds, the levels of a b-bit quantization code, k at a CF and
+when the allgather sends a bitmap (its size), and what the
 ranks must agree on for one compressed tensor (`Agreement`) with the check that turns a disagreement into an error.
 
 Why the agreement: the collectives a codec issues itself (allgathers, the reduce-scatter's alltoall, the agreed set's
@@ -26,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Agreement", "RanksDisagree", "CHECK_LEN", "CHECK_SPAN", "CHECK_SLOTS", "MAX_BITS", "MIN_BITS",
-           "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_MAX", "SparseStatsLayout", "check_span", "clamp_stat",
-           "k_for", "levels_for_bits", "normalize_reduced", "pieces_disagree", "seed_fingerprint", "seeds_disagree",
-           "shared_seed"]
+__all__ = ["Agreement", "RanksDisagree", "CHECK_LEN", "CHECK_SPAN", "CHECK_SLOTS", "INDEX_BYTES", "MAX_BITS",
+           "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_MAX", "SparseStatsLayout", "check_span",
+           "clamp_stat", "gather_bitmap", "gather_bitmap_bytes", "k_for", "levels_for_bits", "normalize_reduced",
+           "pieces_disagree", "seed_fingerprint", "seeds_disagree", "shared_seed"]
 
 #: Statistics travel in float32 and are summed over ranks: each rank's finite values are clamped to STAT_MAX
 #: (2**100) so that a sum over up to 2**27 ranks cannot overflow float32 (max ~2**128). They are computed in
@@ -199,6 +200,22 @@ def normalize_reduced(reduced: Sequence[float], world: int) -> list[float] | Non
 def k_for(numel: int, cf: float) -> int:
     """Number of elements kept at compression factor cf (at least one)."""
     return max(1, min(numel, int(math.ceil(numel / cf))))
+
+
+INDEX_BYTES = 4  # a sparse element's index travels as an int32
+
+
+def gather_bitmap_bytes(numel: int) -> int:
+    """Bytes of the bitmap of a whole tensor in the allgather's bitmap format: a bit per element, in whole rows of
+    the allgather's payload (two int32: 64 bits)."""
+    return math.ceil(int(numel) / 64) * 8
+
+
+def gather_bitmap(k: int, numel: int) -> bool:
+    """Whether a rank's k selected entries of ``numel`` go by allgather as a bitmap + values (else (index, value)
+    pairs): when the bitmap costs less than the indices, ``bitmap < 4 k`` (about k > n / 32). The same on every
+    rank."""
+    return gather_bitmap_bytes(numel) < INDEX_BYTES * int(k)
 
 
 #: Transports with an exact code (others are hashed): cost_model's names.

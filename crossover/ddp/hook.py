@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from crossover.adaptive.dqsgd import DqsgdPolicy
 from crossover.adaptive.static import StaticPolicy
+from crossover.compression.checks import check_int
 from crossover.compression.cost_model import SCATTER
 from crossover.compression.quant_codec import QuantCodec
 from crossover.driver import (
@@ -53,7 +54,6 @@ from crossover.driver import (
     gravac_or_dense,
 )
 from crossover.driver.flat import user_stats
-from crossover.driver.records import check_int
 from crossover.driver.session import QuantSession, cf_session, check_compressor
 
 from ._collectives import TorchDistCollectives

@@ -6,7 +6,6 @@ log, saved state. ``sparse.py`` drives compression-factor policies, ``quant.py``
 """
 
 from crossover.driver.quant import QuantStepDriver
-from crossover.driver.records import StepRecord
 from crossover.driver.settings import (
     DQSGD_PARAMS,
     UNKNOWN_MOMENTUM,
@@ -19,7 +18,7 @@ from crossover.driver.settings import (
     optimizer_momentum,
     reported_momentum,
 )
-from crossover.driver.sparse import CfPolicy, SparseStepDriver
+from crossover.driver.sparse import CfPolicy, SparseStepDriver, StepRecord
 from crossover.driver.steplog import StepLog
 from crossover.driver.transport import (
     ALLTOALL_DEFAULT_TRANSPORT,

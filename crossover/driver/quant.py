@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from crossover.adaptive.dqsgd import DqsgdPolicy, DqsgdStats, error_budget_for_bits
+from crossover.compression.checks import check_int
 from crossover.compression.wire import MAX_BITS, MIN_BITS
 from crossover.driver.flat import flat_stats
-from crossover.driver.records import check_int
 from crossover.driver.tboard import TensorBoardLog
 
 __all__ = ["QUANT_STATE_VERSION", "QuantStepDriver"]

@@ -234,8 +234,8 @@ class SparseSession(StepSession):
         shared = self.codec.selector.shared_indices
         # 1. what the plan sends of this tensor (k entries at its CF) and how: the plan's transport where the cost
         #    model allows it
-        kind, k = transport.sparse_route(rec, numel, world, shared_indices=shared,
-                                         alltoall=hasattr(comm, "alltoall_async"))
+        kind, k = transport.sparse_route(numel, world, rec.sent_cf, rec.probes, rec.transport, shared,
+                                         hasattr(comm, "alltoall_async"))
         # 2. the cost model's bytes of every candidate transport, where the timed choice weighs them
         if rec.wants_costs and rec.sent_cf > 1 and not shared:
             rec.note_costs(transport.candidate_costs(numel, k, world, self.driver.layout.length))

@@ -8,13 +8,13 @@ import io
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
-from typing import Any
-
-from crossover.adaptive.gravac import StepStats
-from crossover.driver.records import StepRecord
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["StepLog", "check_log_pattern"]
+
+if TYPE_CHECKING:  # the record is the sparse driver's, which writes this log
+    from crossover.driver.sparse import StepRecord
 
 log = logging.getLogger("crossover.driver")
 
@@ -174,21 +174,6 @@ class StepLog:
         state = dict(self.__dict__)
         state.update(_file=None, path=None)
         return state
-
-    @classmethod
-    def row_stats(cls, row: Mapping[str, str]) -> StepStats | None:
-        """The policy's view of one row that `write` wrote (built as the driver builds it, `to_stats`); None for
-        a step the policy did not observe (`skipped`). The norm sums are not in the file: they read as 0."""
-        if row["skipped"] not in ("0", ""):
-            return None
-        probes = tuple(float(row[f"probe{i}_cf"]) for i in range(1, cls.MAX_PROBES + 1) if row[f"probe{i}_cf"] != "")
-        rec = StepRecord(step=int(row["step"]), sent_cf=float(row["sent_cf"]), probes=probes)
-        if row.get("momentum") not in (None, ""):
-            rec.momentum = float(row["momentum"])
-        if row["grad_sq"] != "":  # written only for a measured step
-            rec.grad_sq, rec.acc_sq = float(row["grad_sq"]), float(row["acc_sq"])
-            rec.probe_sq = [float(row[f"probe{i}_sq"]) for i in range(1, len(probes) + 1)]
-        return rec.to_stats(float(row["step_time_s"]))
 
     def write(self, step: int, rec: StepRecord, step_time: float) -> None:
         """One finished step's row; an I/O error stops the log (one warning), never the caller."""

@@ -29,6 +29,7 @@ The timed choice, per compressed CF:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -121,16 +122,19 @@ def choose_transport(numel: int, k: int, world_size: int, shared_indices: bool, 
     return cost_model.DENSE
 
 
-def sparse_route(plan: Any, numel: int, world: int, *, shared_indices: bool, alltoall: bool) -> tuple[str, int]:
-    """(transport, k) of one tensor of ``numel`` elements in the step ``plan`` (``sent_cf``, ``probes`` and the
-    optional ``transport`` it asks for, such as the step driver's record): ``choose_transport`` at the plan's CF.
+@functools.lru_cache(maxsize=4096)  # called per gradient with few distinct arguments: a hit skips the arithmetic
+def sparse_route(numel: int, world: int, sent_cf: float, probes: tuple[float, ...], planned: str | None,
+                 shared_indices: bool, alltoall: bool) -> tuple[str, int]:
+    """(transport, k) of one tensor of ``numel`` elements in a step that sends ``sent_cf``, probes ``probes`` and
+    asks for the transport ``planned`` (the step driver's record's fields; None: the cost model's):
+    ``choose_transport`` at that CF.
 
     The agreed set holds k indices of the lowest level, so it serves only plans that send it; the sparse
     reduce-scatter needs a host with an alltoall (``alltoall``). A dense step sends all ``numel`` (DENSE)."""
-    compressed = plan.sent_cf > 1
-    k = k_for(numel, plan.sent_cf) if compressed else numel
-    planned = getattr(plan, "transport", None) if compressed else None
-    if planned == AGREED and plan.sent_cf != min(cf for cf in (*plan.probes, plan.sent_cf) if cf > 1):
+    compressed = sent_cf > 1
+    k = k_for(numel, sent_cf) if compressed else numel
+    planned = planned if compressed else None
+    if planned == AGREED and sent_cf != min(cf for cf in (*probes, sent_cf) if cf > 1):
         planned = None
     if planned == SCATTER and not alltoall:
         raise RuntimeError("crossover compression: transport 'scatter' needs a host with an alltoall (Horovod); "

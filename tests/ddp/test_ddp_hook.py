@@ -498,7 +498,7 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
     gradient: decoded average + mean residual == mean gradient."""
     from codec_calls import sparse_encode
 
-    from crossover.compression import payloads
+    from crossover.compression import sparse_codec
     from crossover.compression.collectives import SimulatedGroup
     from crossover.compression.selectors import k_for
     from crossover.compression.sparse_codec import SparseCodec
@@ -515,7 +515,7 @@ def test_fixed_gather_sends_exactly_k_pairs_and_loses_nothing():
             enc = [sparse_encode(codecs[r], "b0", grads[r], rec, 0.0, grp.rank_view(r)) for r in range(world)]
             for _, ctx, sent in enc:
                 # exactly k (index, value) pairs, after the segment header (shape check)
-                assert sent == 8 * (k_for(numel, cf) + payloads.HEADER_ROWS) + 4 * ctx.nstats
+                assert sent == 8 * (k_for(numel, cf) + sparse_codec.HEADER_ROWS) + 4 * ctx.nstats
             reduced = sum(p / world for p, _, _ in enc)  # the host's average of the statistics payloads
             outs = [codecs[r].decode(reduced.clone(), enc[r][1], grp.rank_view(r))[0].clone() for r in range(world)]
             assert torch.equal(outs[0], outs[1])

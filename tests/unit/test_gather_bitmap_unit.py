@@ -1,4 +1,5 @@
-"""The allgather's bitmap wire format (payloads.send_allgather / receive, cost_model.gather_bitmap), simulated ranks.
+"""The allgather's bitmap wire format (sparse_codec.send_allgather / receive, cost_model.gather_bitmap), simulated
+ranks.
 
 Where a rank's k selected entries are dense enough (about CF < 32), they travel as a bitmap of the tensor and the
 values in index order instead of (index, value) pairs. The real multi-rank jobs that cover it are the Horovod and
@@ -14,7 +15,7 @@ import pytest
 import torch
 from codec_calls import sparse_encode
 
-from crossover.compression import cost_model, payloads
+from crossover.compression import cost_model, sparse_codec
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.selectors import Selection
 from crossover.compression.sparse_codec import SparseCodec
@@ -81,12 +82,13 @@ def test_bitmaps_send_fewer_bytes() -> None:
     assert sent[True] < 0.7 * sent[False]
 
 
-def _packed(sel: Selection, n: int, k: int, bitmap: bool) -> tuple[torch.Tensor, payloads.SparseCtx, SimulatedGroup]:
+def _packed(sel: Selection, n: int, k: int,
+            bitmap: bool) -> tuple[torch.Tensor, sparse_codec.SparseCtx, SimulatedGroup]:
     group = SimulatedGroup(1)
-    rows = payloads.gather_rows(k, n, bitmap)
-    packed = torch.empty((rows + payloads.HEADER_ROWS, 2), dtype=torch.int32)
-    payloads.send_allgather(sel, torch.ones(1), group.rank_view(0), "w", packed, (n,), bitmap)
-    ctx = payloads.SparseCtx(kind=payloads.ALLGATHER, key="w", shape=torch.Size((n,)), numel=n, nstats=1, k=k,
+    rows = sparse_codec.gather_rows(k, n, bitmap)
+    packed = torch.empty((rows + sparse_codec.HEADER_ROWS, 2), dtype=torch.int32)
+    sparse_codec.send_allgather(sel, torch.ones(1), group.rank_view(0), "w", packed, (n,), bitmap)
+    ctx = sparse_codec.SparseCtx(kind=sparse_codec.ALLGATHER, key="w", shape=torch.Size((n,)), numel=n, nstats=1, k=k,
                               bitmap=bitmap)
     return packed, ctx, group
 
@@ -96,7 +98,7 @@ def test_values_follow_their_indices_in_any_order() -> None:
     sel = Selection(idx=torch.tensor([600, 5, 9], dtype=torch.int32), val=torch.tensor([1.0, 2.0, 3.0]),
                     sumsq_sel=0.0, sumsq_acc=0.0)
     packed, ctx, group = _packed(sel, n, k, True)
-    out = payloads.receive(torch.ones(1), _with(ctx, group, packed), group.rank_view(0), torch.empty(n))
+    out = sparse_codec.receive(torch.ones(1), _with(ctx, group, packed), group.rank_view(0), torch.empty(n))
     want = torch.zeros(n)
     want[600], want[5], want[9] = 1.0, 2.0, 3.0
     assert torch.equal(out, want)
@@ -109,7 +111,7 @@ def test_a_repeated_index_adds_up_as_with_pairs() -> None:
     sel = Selection(idx=idx, val=val, sumsq_sel=0.0, sumsq_acc=0.0)
     packed, ctx, group = _packed(sel, n, k, True)
     ctx.handle = group.rank_view(0).allgather_async(packed, "w2")
-    out = payloads.receive(torch.ones(1), ctx, group.rank_view(0), torch.empty(n))
+    out = sparse_codec.receive(torch.ones(1), ctx, group.rank_view(0), torch.empty(n))
     want = torch.zeros(n)
     want[5], want[9], want[600] = 4.0, 2.0, -4.0
     assert torch.equal(out, want)
@@ -121,19 +123,19 @@ def test_garbled_bitmaps_and_mixed_formats_raise() -> None:
                     sumsq_acc=0.0)
     packed, ctx, group = _packed(sel, n, k, True)
     bad = packed.clone()
-    bad[payloads.HEADER_ROWS + 1, 1] = -1  # bits beyond the tensor's 100 elements
+    bad[sparse_codec.HEADER_ROWS + 1, 1] = -1  # bits beyond the tensor's 100 elements
     with pytest.raises(RuntimeError, match="beyond the tensor"):
-        payloads.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
+        sparse_codec.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
     bad = packed.clone()
-    bad[payloads.HEADER_ROWS, :] = -1  # 64 marks, 20 values
-    bad[payloads.HEADER_ROWS + 1, :] = 0
+    bad[sparse_codec.HEADER_ROWS, :] = -1  # 64 marks, 20 values
+    bad[sparse_codec.HEADER_ROWS + 1, :] = 0
     with pytest.raises(RuntimeError, match="more elements than"):
-        payloads.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
+        sparse_codec.receive(torch.ones(1), _with(ctx, group, bad), group.rank_view(0), torch.empty(n))
     pairs, pctx, _ = _packed(sel, n, k, False)
     with pytest.raises(RuntimeError, match="another wire format"):
-        payloads.receive(torch.ones(1), _with(ctx, group, pairs), group.rank_view(0), torch.empty(n))
+        sparse_codec.receive(torch.ones(1), _with(ctx, group, pairs), group.rank_view(0), torch.empty(n))
 
 
-def _with(ctx: payloads.SparseCtx, group: SimulatedGroup, payload: torch.Tensor) -> payloads.SparseCtx:
+def _with(ctx: sparse_codec.SparseCtx, group: SimulatedGroup, payload: torch.Tensor) -> sparse_codec.SparseCtx:
     ctx.handle = group.rank_view(0).allgather_async(payload, f"w.{id(payload)}")
     return ctx
