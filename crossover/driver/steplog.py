@@ -9,12 +9,9 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __all__ = ["StepLog", "check_log_pattern"]
-
-if TYPE_CHECKING:  # the record is the sparse driver's, which writes this log
-    from crossover.driver.sparse import StepRecord
 
 log = logging.getLogger("crossover.driver")
 
@@ -175,8 +172,9 @@ class StepLog:
         state.update(_file=None, path=None)
         return state
 
-    def write(self, step: int, rec: StepRecord, step_time: float) -> None:
-        """One finished step's row; an I/O error stops the log (one warning), never the caller."""
+    def write(self, step: int, rec: Any, step_time: float) -> None:
+        """One finished step's row (`rec`: the sparse driver's `StepRecord`); an I/O error stops the log (one
+        warning), never the caller."""
         if not self.pattern:
             return
         self.open()
