@@ -29,6 +29,7 @@ import logging
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["KNOWN_VERSIONS", "check_version", "version_supported", "torch_hook_caller", "torch_parameter_order",
@@ -280,10 +281,12 @@ def torch_wait_quietly(handle: Any, max_sleep: float = QUIET_POLL_MAX_S) -> None
         delay = min(2 * delay, max_sleep)
 
 
-def torch_quiet_synchronize(opt: Any) -> bool:
+def torch_quiet_synchronize(opt: Any, submitted: Callable[[], None] | None = None) -> bool:
     """Make `opt.synchronize()` (called by `step()`) wait on its allreduce handles quietly, then run Horovod's
-    own synchronize (which finds them finished). Installs on this optimizer only (an instance attribute that
-    holds no reference to it); idempotent; False, after one warning, on an unknown Horovod version."""
+    own synchronize (which finds them finished). `submitted` is called once every gradient of the step is handed
+    to Horovod, before the first wait (the compression object starts its last collectives there). Installs on
+    this optimizer only (an instance attribute that holds no reference to it); idempotent; False, after one
+    warning, on an unknown Horovod version."""
     if "_crossover_quiet_sync" in vars(opt):
         return True
     if not check_version("waiting on gradients without spinning a core (Horovod's own wait is used)"):
@@ -296,6 +299,8 @@ def torch_quiet_synchronize(opt: Any) -> bool:
             return None
         if o.process_set.included():
             torch_submit_missing(o)
+            if submitted is not None:
+                submitted()
             for handle, _ctx in list(o._handles.values()):
                 if isinstance(handle, int):  # not a sparse allreduce's callable, not the scheduler's stand-in
                     torch_wait_quietly(handle)

@@ -6,8 +6,9 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 * a step begins at the first `compress` after a `decompress` (or when a name repeats);
 * tensors that are not float32, or sparse, pass through untouched; float32 tensors smaller than `min_compress_numel`
   (biases, norms, small layers) travel together, as the DDP hook's buckets hold them: Horovod gets an empty tensor
-  for each, and the step's first `decompress` encodes them as one flat bucket (`SMALL_KEY`; its payload and
-  statistics by the glue's own allreduces), decoded once and cut back into each member (issue 43: sent one by one,
+  for each, and once every gradient is handed over (`synchronize()` begins, before its first wait; else the step's
+  first `decompress`) they are encoded as one flat bucket (`SMALL_KEY`; its payload and statistics by the glue's
+  own allreduces), decoded once and cut back into each member (issue 43: sent one by one,
   dense, they made the Horovod path send 1.36x the hook's bytes at CF 100 on a CNN). That holds for the CF
   policies' sparsifying codecs (GraVAC, static top-k), with the optimizer's default `op=hvd.Average`, on a model
   with at least one float32 parameter of `min_compress_numel` elements (else they pass through, as before);
@@ -15,7 +16,7 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
   `HorovodCollectives`, bound to the
   calling optimizer's process set, and travel in groups (crossover/compression/grouped.py): one allgather
   per group of tensors, planned from the last step's tensors in reverse registration order (as DDP's
-  buckets), sent once the group is complete and at the latest before the step's first decompress;
+  buckets), sent once the group is complete and at the latest when synchronize() begins;
 * the optimizer's `synchronize()` (in `step()`) first waits on its handles by polling with short sleeps:
   Horovod's own wait spins a core, which a machine with a core per rank takes from the background
   thread and the network.
@@ -277,9 +278,7 @@ class TorchHookBase(metaclass=CompressionType):
         """Called by Horovod in synchronize() with the reduced tensor; returns the averaged gradient."""
         if ctx is OUTSIDE:
             return tensor
-        if self._phase == "compress":  # the step's first decompress: every compress of the step is done
-            self._send_small()
-            self.comm.flush()
+        self._submitted()  # at the latest here (Horovod's own synchronize: no earlier call)
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
         if isinstance(ctx, _SmallMember):
             return self._small_out(ctx)
@@ -288,6 +287,14 @@ class TorchHookBase(metaclass=CompressionType):
                 self._passed.append(torch.isfinite(tensor).all())  # no sync here: read once, at the step's end
             return tensor
         return self._decode(tensor, ctx)
+
+    def _submitted(self) -> None:
+        """Every gradient of the step is in (synchronize() begins): the small tensors' bucket and the groups still
+        open leave now, before the first wait, rather than after the first handle completes (a negotiation round)."""
+        if self._phase == "compress":
+            self._send_small()
+            self.comm.flush()
+            self._phase = "submitted"
 
     def _encode(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The session's payload and context for one gradient (or the small tensors' bucket)."""
@@ -445,4 +452,4 @@ class TorchHookBase(metaclass=CompressionType):
             raise ValueError(SHARED_ERROR)
         self._owner = weakref.ref(opt)
         if self.quiet_wait:
-            torch_quiet_synchronize(opt)  # step() then waits on the gradients without spinning a core
+            torch_quiet_synchronize(opt, self._submitted)  # step() then waits on the gradients without spinning a core
