@@ -43,8 +43,9 @@ attribution pass stays one job per model (counts per step, not times). The two m
 method shares two processes that run Horovod's background thread all along (its cycles poll during the DDP
 methods' turns too), Horovod's caches and the allocator hold every method's tensors, and each round's blocks run
 back to back, so that a drift of the shared machine cancels in the per-round ratios; own jobs, every job starts
-cold, and two methods' blocks of the same position ran minutes apart, so their "per-round" ratios pair blocks by
-position in the run, and drift of the machine between jobs stays in them.
+cold, and a method's rounds are split into jobs of OWN_JOB_ROUNDS rounds that alternate with the other methods'
+jobs (each with its own warm-up), so that the blocks a "round" pairs ran seconds, not minutes, apart; drift within
+a pass stays in the ratios.
 
 The ratios of the issue's targets are taken round by round (the medians of the two methods' blocks in the
 same round) and summarised by their median, min and max over the rounds. --md writes the whole report as
@@ -78,6 +79,7 @@ TARGETS = (("Horovod {family} vs DDP hook {family}, same CF", "hvd-{family}:{cf}
            ("compression off vs stock Horovod", "hvd-off", "hvd-none", 1.02))
 CI_LEVEL = 0.90  # the bracket given beside each verdict: a 10-step block's median moves by tens of percent
 BOOTSTRAP_RESAMPLES = 2000  # enough for the 5th and 95th percentiles of the median to be stable to 0.001
+OWN_JOB_ROUNDS = 4  # --own-jobs: timed rounds per job; a method's jobs alternate with the others' (drift falls alike)
 
 
 # --------------------------------------------------------------------------- workload
@@ -658,9 +660,9 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         f"- workload: {meta['model_desc']}, {meta['params'] / 1e3:.0f} k parameters, batch {meta['batch']} per rank, "
         f"{meta['size']} ranks, link {meta['rate']}",
-        (f"- each method its own job (--own-jobs): {meta['warmup']} warm-up steps (not timed), then "
-         f"{meta['rounds']} blocks of {meta['block']} steps back to back; a 'round' below pairs the blocks of the same "
-         "position in the two methods' jobs, which ran at different times"
+        (f"- each method its own jobs (--own-jobs): {meta['rounds']} blocks of {meta['block']} steps, in jobs of "
+         f"{OWN_JOB_ROUNDS} blocks back to back after {meta['warmup']} warm-up steps (not timed), the methods' jobs "
+         "taking turns; a 'round' below pairs the blocks of the same position in the two methods' jobs of one turn"
          if meta.get("own_jobs") else
          f"- {meta['rounds']} rounds; in each, every method runs {meta['block']} steps, in an order that rotates every "
          f"round; {meta['warmup']} warm-up steps per method before (not timed)"),
@@ -670,13 +672,14 @@ def format_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
            "two processes that run Horovod's background thread all along (its cycles poll during the DDP methods' "
            "turns too), Horovod's caches and the allocator hold every method's tensors, and a round's blocks run "
            "back to back, so machine drift cancels in its ratios; here every job starts cold and alone (a DDP job "
-           "never starts Horovod), and drift between jobs stays in the ratios. Wall: what a user's clock counts"]
+           "never starts Horovod), and drift between two jobs of a turn stays in the ratios. Wall: what a user's "
+           "clock counts"]
           if meta.get("own_jobs") else []),
         "",
         "## Targets (issues 30 and 43)",
         "",
         ("The verdict reads the median of the per-round ratios (here a 'round' pairs the blocks of the same position "
-         "in two jobs that ran at different times: drift of the machine between them stays in). Beside it:"
+         "in two jobs of one turn, seconds apart: drift of the machine between them stays in). Beside it:"
          if meta.get("own_jobs") else
          "The verdict reads the median of the per-round ratios (each round's two blocks ran back to back, so the "
          "machine's drift cancels). Beside it:") + f" a {CI_LEVEL:.0%} bootstrap interval of that median (where it "
@@ -800,6 +803,18 @@ def _job(args: argparse.Namespace, cfg: dict[str, Any], extra_env: dict[str, str
     return result.read_text()
 
 
+def _append_job(methods: dict[str, Any], job: dict[str, Any], name: str) -> None:
+    """Add one job's timed blocks of method `name` after those of its earlier jobs."""
+    if name not in methods:
+        methods[name] = job
+        return
+    m, offset = methods[name], len(methods[name]["records"])
+    m["blocks"] += [(a + offset, b + offset) for a, b in job["blocks"]]
+    for key in ("records", "settled", "wire", "walls"):
+        m[key] += job[key]
+    m["stats"] = job["stats"]
+
+
 def run(args: argparse.Namespace, argv: list[str], model: str) -> dict[str, Any]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     meta = dict(_meta(args, argv), model=model, model_desc=MODELS[model])
@@ -809,12 +824,15 @@ def run(args: argparse.Namespace, argv: list[str], model: str) -> dict[str, Any]
                "warmup": args.warmup, "rounds": args.rounds, "block": args.block, "cf": args.cf,
                "attrib_steps": args.attrib_steps, "timeline_dir": args.timelines or tmp, "timeline": False,
                "result": str(Path(tmp) / "result.json")}
-        if args.own_jobs:  # one fresh job per method, as users run them; the same records merged
+        if args.own_jobs:  # fresh jobs per method, as users run them, in passes that alternate the methods
             res: dict[str, Any] = {"methods": {}}
-            for name in methods:
-                one = json.loads(_job(args, dict(cfg, methods=[name]), {}))
-                res.update(params=one["params"], size=one["size"])
-                res["methods"].update(one["methods"])
+            for first in range(0, args.rounds, OWN_JOB_ROUNDS):
+                k = first // OWN_JOB_ROUNDS % len(methods)
+                for name in methods[k:] + methods[:k]:
+                    rounds = min(OWN_JOB_ROUNDS, args.rounds - first)
+                    one = json.loads(_job(args, dict(cfg, methods=[name], rounds=rounds), {}))
+                    res.update(params=one["params"], size=one["size"])
+                    _append_job(res["methods"], one["methods"][name], name)
         else:
             res = json.loads(_job(args, cfg, {}))
         hvd_methods = [m for m in methods if m.startswith("hvd-")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from benchmarks.bench_breakdown import format_report, median_ci, summarize
+from benchmarks.bench_breakdown import _append_job, format_report, median_ci, summarize
 
 
 def test_the_interval_brackets_the_median_and_is_the_same_on_every_call() -> None:
@@ -49,3 +49,17 @@ def test_the_targets_compare_every_cf_run_on_both_paths_with_the_wall_clock_rati
             "batch": 32, "rate": "r", "own_jobs": True, "model": "cnn", "model_desc": "m", "params": 1, "size": 2}
     text = format_report(summarize(res, 100.0), meta)
     assert "each method its own job" in text and "| 1.500x |" in text and "| 1.200x |" in text
+
+
+def test_own_jobs_of_a_method_append_their_blocks_in_turn() -> None:
+    """--own-jobs runs a method as several jobs that take turns with the other methods': the second job's blocks
+    index its own records, after the first's."""
+    methods: dict = {}
+    first, second = _method(0.010, 0.011, blocks=2), _method(0.020, 0.021, blocks=1)
+    _append_job(methods, first, "hvd-topk:10")
+    _append_job(methods, second, "hvd-topk:10")
+    m = methods["hvd-topk:10"]
+    assert m["blocks"] == [(0, 4), (4, 8), (8, 12)]
+    assert [r["step"] for r in m["records"][8:12]] == [0.020] * 4
+    assert len(m["walls"]) == len(m["wire"]) == 3 and len(m["settled"]) == 12
+
