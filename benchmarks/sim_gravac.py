@@ -59,7 +59,7 @@ import torch  # noqa: E402
 
 from crossover.adaptive.gravac import GravacPolicy, Plan, StepStats  # noqa: E402
 from crossover.adaptive.static import StaticPolicy  # noqa: E402
-from crossover.compression import cost_model, kernels, sparse_codec  # noqa: E402
+from crossover.compression import cost_model, kernels, sparse_codec, wire  # noqa: E402
 from crossover.compression.collectives import SimulatedGroup  # noqa: E402
 from crossover.compression.sparse_codec import SparseCodec  # noqa: E402
 from crossover.driver import SparseStepDriver, transport  # noqa: E402
@@ -372,7 +372,7 @@ class Simulator:
         comp = wl.compute_ms / 1e3 if wl.compute_ms is not None else compute_s * wl.compute_scale
         nbytes = cost_model.allreduce_bytes(rec.dense_elems, world, rec.dense_width) if rec.dense_elems else 0.0
         # each rank's part as the codec sends it: (index, value) pairs, or a bitmap and the values below CF 32
-        nbytes += sum(cost_model.ring_allgather(cost_model.gather_part_bytes(k, n, cost_model.gather_bitmap(k, n)),
+        nbytes += sum(cost_model.ring_allgather(cost_model.gather_part_bytes(k, n, wire.gather_bitmap(k, n)),
                                                 world).bytes for k, n in rec.gather_elems)
         collectives = (1 if rec.dense_elems else 0) + len(rec.gather_elems)
         t = comp + rec.cost_s + nbytes * 8.0 / wl.rate_bps + collectives * self.latency_s

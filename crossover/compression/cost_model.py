@@ -14,7 +14,7 @@ The transports the codecs use (``transport.py``), per tensor of n float32 elemen
 * ``DENSE``: allreduce of the n values (and the statistics);
 * ``ALLREDUCE``: allreduce of k values at indices every rank shares (random-k from a shared seed);
 * ``ALLGATHER``: allgather of each rank's own k (int32 index, fp32 value) pairs, or of a bitmap of the whole
-  tensor plus the k values where that costs less (``gather_bitmap``: about CF < 32), the statistics by allreduce;
+  tensor plus the k values where that costs less (``wire.gather_bitmap``: about CF < 32), the statistics by allreduce;
 * ``AGREED``: allreduce of k values at an index set every rank agreed on in the previous step, plus an
   allgather of each rank's ``ceil(k / W^2)`` index proposals for the next step while W k <= n / 2
   (``agreed_share``, ``agreed.py``);
@@ -41,8 +41,7 @@ from crossover.compression.wire import INDEX_BYTES, gather_bitmap, gather_bitmap
 
 __all__ = ["AGREED", "AGREED_PROPOSAL_COVER", "ALLGATHER", "ALLREDUCE", "CODEC_TRANSPORTS", "Cost", "DENSE",
            "FP16", "GTOPK", "Link", "MODELLED", "OKTOPK", "POWERSGD", "SCATTER", "agreed_proposals", "agreed_share",
-           "allgather_bytes", "allreduce_bytes", "gather_bitmap", "gather_bitmap_bytes",
-           "gather_part_bytes", "pairwise_alltoall", "ring_allgather",
+           "allgather_bytes", "allreduce_bytes", "gather_part_bytes", "pairwise_alltoall", "ring_allgather",
            "ring_allreduce", "scatter_bitmap", "scatter_bitmap_bytes", "scatter_keep", "scatter_part_bytes",
            "transport_cost"]
 

@@ -132,7 +132,7 @@ _SIGNATURES = {
 # ----------------------------------------------------------------------------------------------
 
 _LIBRARY = _K.LazyLibrary(SOURCE, "crossover_quantize", CFLAGS, _SIGNATURES, "crossover quantizer", log,
-                               parent=_K._LIBRARY)
+                          parent=_K._LIBRARY)
 
 
 def build_quantize_kernels() -> str | None:

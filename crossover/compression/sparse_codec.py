@@ -171,8 +171,8 @@ class SparseCodec:
                                           checks=agree.values(comm.size()), momentum=momentum),
                              dtype=torch.float32, device=grad.device)
         ctx = SparseCtx(kind=DENSE, key=key, shape=tensor.shape, numel=numel,
-                                  nstats=layout.length, grad=grad, residual=residual, agreement=agree,
-                                  local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
+                        nstats=layout.length, grad=grad, residual=residual, agreement=agree,
+                        local_finite=math.isfinite(acc_sq) and (grad_sq is None or math.isfinite(grad_sq)))
         if send_cf > 1 and send_cf != levels[0]:  # send a higher level: the rest returns to the residual
             sel = apply_mask(sel, masks[send_cf], residual)
         if sel is not None:
@@ -196,8 +196,7 @@ class SparseCodec:
             return payload, ctx, payload.numel() * 4
         if kind == cost_model.SCATTER:
             payload, ctx.handle, nbytes = send_scatter(sel, stats, comm, f"crossover.scatter.a2a.{key}",
-                                                                 numel, cost_model.scatter_bitmap(k, numel,
-                                                                                                  comm.size()))
+                                                       numel, cost_model.scatter_bitmap(k, numel, comm.size()))
             ctx.kind, ctx.k, ctx.step = SCATTER, k, rec.step
             self._scatters = [c for c in self._scatters if c.step == rec.step] + [ctx]  # drop an abandoned step's
             return payload, ctx, nbytes + stats.numel() * 4
@@ -211,7 +210,7 @@ class SparseCodec:
         scratch = self.selector.buffers.get(key, "gather.bitmap", numel, torch.float32, grad.device) \
             if ctx.bitmap else None
         payload, ctx.handle = send_allgather(sel, stats, comm, f"crossover.allgather.{key}", packed,
-                                                       tensor.shape, ctx.bitmap, scratch)
+                                             tensor.shape, ctx.bitmap, scratch)
         ctx.kind, ctx.k = ALLGATHER, k
         return payload, ctx, packed.numel() * 4 + stats.numel() * 4
 

@@ -1,7 +1,7 @@
 """What every rank derives alike, with no framework and no communication: the layout of the statistics that
 ride in a compressed payload, the per-(step, tensor) seeds, the levels of a b-bit quantization code, k at a CF and
-when the allgather sends a bitmap (its size), and what the
-ranks must agree on for one compressed tensor (`Agreement`) with the check that turns a disagreement into an error.
+when the allgather sends a bitmap (its size), and what the ranks must agree on for one compressed tensor
+(`Agreement`) with the check that turns a disagreement into an error.
 
 Why the agreement: the collectives a codec issues itself (allgathers, the reduce-scatter's alltoall, the agreed set's
 proposals, the low-rank factors) match across ranks only when every rank compresses the tensor alike; a rank that

@@ -85,7 +85,7 @@ def test_gain_study_tabulates_every_definition(tmp_path: Path) -> None:
 
 
 def test_the_allgather_is_priced_as_the_codec_sends_it() -> None:
-    # Below CF 32 a rank's part is a bitmap and the values (cost_model.gather_bitmap), not (index, value) pairs: the
+    # Below CF 32 a rank's part is a bitmap and the values (wire.gather_bitmap), not (index, value) pairs: the
     # time model prices what the wire carries. 2 ranks, 8 Mbit/s (1 byte per microsecond), no compute, no latency.
     from benchmarks.sim_gravac import Simulator, Workload, _StepRecord
 

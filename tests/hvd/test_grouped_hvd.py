@@ -221,7 +221,7 @@ def test_nonfinite_step_decodes_nan_everywhere_in_both_transports(results, case)
 
 
 def test_bitmaps_give_the_pairs_averages_bit_for_bit_in_fewer_bytes(results):
-    """CF 10: the allgather carries a bitmap of each tensor and its values (cost_model.gather_bitmap); the twin
+    """CF 10: the allgather carries a bitmap of each tensor and its values (wire.gather_bitmap); the twin
     sends pairs. The same averaged gradients, residuals and NaN step on 3 ranks whose gradients differ."""
     members = _members(results, "bitmap-global")
     assert len(members) == 3

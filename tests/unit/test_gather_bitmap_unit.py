@@ -1,4 +1,4 @@
-"""The allgather's bitmap wire format (sparse_codec.send_allgather / receive, cost_model.gather_bitmap), simulated
+"""The allgather's bitmap wire format (sparse_codec.send_allgather / receive, wire.gather_bitmap), simulated
 ranks.
 
 Where a rank's k selected entries are dense enough (about CF < 32), they travel as a bitmap of the tensor and the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from codec_calls import sparse_encode
 
-from crossover.compression import cost_model, sparse_codec
+from crossover.compression import cost_model, sparse_codec, wire
 from crossover.compression.collectives import SimulatedGroup
 from crossover.compression.selectors import Selection
 from crossover.compression.sparse_codec import SparseCodec
@@ -28,9 +28,9 @@ class _Plan:
 
 def test_the_bitmap_is_chosen_below_cf_32_and_saves_a_third_at_cf_10() -> None:
     n = 1_000_000
-    assert cost_model.gather_bitmap(n // 10, n)
-    assert not cost_model.gather_bitmap(n // 100, n)
-    assert not cost_model.gather_bitmap(n // 40, n)
+    assert wire.gather_bitmap(n // 10, n)
+    assert not wire.gather_bitmap(n // 100, n)
+    assert not wire.gather_bitmap(n // 40, n)
     ratio = cost_model.gather_part_bytes(n // 10, n, True) / cost_model.gather_part_bytes(n // 10, n, False)
     assert 0.6 < ratio < 0.7
     pairs = cost_model.ring_allgather(8 * (n // 10) + cost_model.GATHER_HEADER_BYTES, 2).bytes
