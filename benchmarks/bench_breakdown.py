@@ -25,6 +25,9 @@ rotates every round, so that a slow phase of a shared machine falls on all of th
   ddp-none         PyTorch DDP, no hook
   ddp-topk:CF      DDP with crossover's adaptive_hook, AdaptiveState(policy="static", cf=CF) (ddp-powersgd:CF)
   ddp-adaptive     DDP with adaptive_hook, AdaptiveState() (defaults)
+  hvd-floor:CF     stock Horovod allreducing each gradient's first 1/CF (crossover's quiet wait), no codec: what
+                   Horovod itself costs to move CF's bytes from the backward hooks (ddp-floor:CF: the same per
+                   DDP bucket by a plain hook); the step a codec on either path cannot go below
 
 Per method the table gives the median step and its phases: forward, backward (with the hooks' work; DDP also
 waits for its buckets there), wait (Horovod: synchronize() less decompress), the optimizer step, and inside
@@ -180,6 +183,29 @@ def _time_agreement() -> None:
         setattr(cls, attr, timed(getattr(cls, attr)))
 
 
+class _FloorCompressor:
+    """Horovod compression that sends each gradient's first 1/cf elements and hands back the gradient: the bytes
+    of CF cf through Horovod's own path, without any codec work (the result is not the average)."""
+
+    def __init__(self, cf: float) -> None:
+        self.cf = cf
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        return tensor.view(-1)[:max(1, int(tensor.numel() / self.cf))], tensor
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        return ctx
+
+
+def _floor_hook(cf, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a bucket annotated other than GradBucket
+    """DDP hook twin of :class:`_FloorCompressor`: allreduce the bucket's first 1/cf, hand back the bucket."""
+    import torch.distributed as dist
+
+    flat = bucket.buffer()
+    fut = dist.all_reduce(flat[:max(1, int(flat.numel() / cf))], async_op=True).get_future()
+    return fut.then(lambda _: flat)
+
+
 class Method:
     """One method: model, optimizer, compression object / hook state, and its records."""
 
@@ -221,6 +247,8 @@ class Method:
             comp = AdaptiveCompression(clock=self.own_clock)
         elif arg == "warmup":  # every step dense and measured (GraVAC's warm-up): the statistics' own cost
             comp = AdaptiveCompression(warmup_steps=10**9, clock=self.own_clock)
+        elif arg.startswith("floor:"):
+            comp = _FloorCompressor(float(arg.partition(":")[2]))
         else:
             cname, _, cf = arg.partition(":")
             comp = StaticCompression(cname, cf=float(cf))
@@ -236,6 +264,10 @@ class Method:
                                             named_parameters=[(f"{self.name}.{n}", p)
                                                               for n, p in self.model.named_parameters()],
                                             compression=comp, groups=1 if self.variant == "groups1" else None)
+        if isinstance(comp, _FloorCompressor):
+            from horovod_ext._internals import torch_quiet_synchronize
+
+            torch_quiet_synchronize(self.opt)
         if hasattr(comp, "codec"):
             t = self.timer
             t.wrap(comp, "compress", "compress")  # Horovod calls the instance's attribute
@@ -251,7 +283,9 @@ class Method:
         from crossover.ddp import AdaptiveState, adaptive_hook
 
         net = torch.nn.parallel.DistributedDataParallel(self.model)
-        if arg != "none":
+        if arg.startswith("floor:"):
+            net.register_comm_hook(float(arg.partition(":")[2]), _floor_hook)
+        elif arg != "none":
             if arg == "adaptive":
                 # the optimizer's momentum (plain SGD), as a DDP user says it; its own steps' clock, as hvd-adaptive
                 self.state = AdaptiveState(momentum=0.0, clock=self.own_clock)

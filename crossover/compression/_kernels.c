@@ -295,11 +295,17 @@ int cx_zero_scatter(float *out, int64_t n, const int32_t *idx, const float *vals
     return 0;
 }
 
-/* out[j] = |g[p] + r[p]| (r may be NULL) at p = floor(j * numel / m), j < m */
+/* out[j] = |g[p] + r[p]| (r may be NULL), j < m: one p per stratum [floor(j*numel/m),
+ * floor((j+1)*numel/m)), at offset (h * width) >> 31 with h = (j * 0x4F1BBCDD) mod 2^31 (a Weyl sequence).
+ * A plain stride aliases with a matrix's rows: every 98th element of a 256 x 1568 gradient is in 16 of its
+ * 1568 columns, and the threshold from them kept up to 2x too many elements. */
 int cx_sample_abs(const float *g, const float *r, int64_t numel, int64_t m, float *out)
 {
     for (int64_t j = 0; j < m; j++) {
-        int64_t p = (int64_t)(((uint64_t)j * (uint64_t)numel) / (uint64_t)m);
+        uint64_t lo = ((uint64_t)j * (uint64_t)numel) / (uint64_t)m;
+        uint64_t width = ((uint64_t)(j + 1) * (uint64_t)numel) / (uint64_t)m - lo;
+        uint64_t h = ((uint64_t)j * UINT64_C(0x4F1BBCDD)) & UINT64_C(0x7FFFFFFF);
+        int64_t p = (int64_t)(lo + ((h * width) >> 31));
         float a = r ? g[p] + r[p] : g[p];
         out[j] = fabsf(a);
     }

@@ -125,7 +125,9 @@ def _sample_abs_kernel(g_ptr, r_ptr, numel, n, out_ptr, HAS_RES: tl.constexpr, B
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = j < n
-    p = j * numel // n
+    lo = j * numel // n
+    h = (j * 0x4F1BBCDD) & 0x7FFFFFFF  # kernels.sample_positions: a fixed offset in each stratum
+    p = lo + ((h * ((j + 1) * numel // n - lo)) >> 31)
     v = tl.load(g_ptr + p, mask=m, other=0.0)
     if HAS_RES:
         v = v + tl.load(r_ptr + p, mask=m, other=0.0)
@@ -187,7 +189,8 @@ def ef_select(g: torch.Tensor, r: torch.Tensor | None, thr: float | torch.Tensor
 
 
 def sample_abs(g: torch.Tensor, r: torch.Tensor | None, n: int, out: torch.Tensor) -> None:
-    """out[j] = |g[p] + r[p]| at p = j * len(g) // n for j < n (kernels.sample_abs), in one launch."""
+    """out[j] = |g[p] + r[p]| at p = kernels.sample_positions(len(g), n)[j] for j < n (kernels.sample_abs), in one
+    launch."""
     if n == 0:
         return
     _sample_abs_kernel[(_blocks(n),)](g, g if r is None else r, g.numel(), n, out, HAS_RES=r is not None,

@@ -453,7 +453,8 @@ def _scatter(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, scale: fl
 
 
 def sample_abs(grad: torch.Tensor, residual: torch.Tensor | None, n: int, out: torch.Tensor) -> None:
-    """out[j] = |grad[p] + residual[p]| at p = j * len(grad) // n for j < n (residual may be None)."""
+    """out[j] = |grad[p] + residual[p]| for j < n (residual may be None): one p in each of n equal
+    strata of grad, at a fixed pseudo-random offset (`sample_positions`)."""
     _check_1d(grad=grad, residual=residual, out=out)
     numel = grad.numel()
     if n < 0 or out.numel() < n:
@@ -472,9 +473,19 @@ def sample_abs(grad: torch.Tensor, residual: torch.Tensor | None, n: int, out: t
     if gpu is not None and _all_f32(grad, residual, out):
         gpu.sample_abs(grad, residual, n, out)
         return
-    pos = torch.arange(n, device=grad.device, dtype=torch.int64) * numel // n
+    pos = sample_positions(numel, n, grad.device)
     a = grad[pos] if residual is None else grad[pos] + residual[pos]
     out[:n].copy_(a.abs_())
+
+
+def sample_positions(numel: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions `sample_abs` reads: in stratum j = [j * numel // n, (j + 1) * numel // n), the offset
+    (h * width) >> 31 with h = j * 0x4F1BBCDD mod 2^31 (2^31 / golden ratio). A plain stride aliases with a
+    matrix's rows (every 98th element of a 256 x 1568 gradient lies in 16 of its columns)."""
+    j = torch.arange(n, device=device, dtype=torch.int64)
+    lo = j * numel // n
+    h = (j * 0x4F1BBCDD) & 0x7FFFFFFF
+    return lo + ((h * ((j + 1) * numel // n - lo)) >> 31)
 
 
 _MASK64 = (1 << 64) - 1

@@ -217,17 +217,25 @@ def test_zero_scatter_and_bad_index(impl):
 
 # ---------------------------------------------------------------------------------- sampling, indices
 
-@pytest.mark.parametrize("numel,n", [(1000, 10), (1003, 7), (5, 12), (25_000, 25), (9, 0)])
+@pytest.mark.parametrize("numel,n", [(1000, 10), (1003, 7), (5, 12), (25_000, 25), (9, 0), (401_408, 4096)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_sample_abs(impl, numel, n, with_residual):
     g = torch.randn(numel, generator=gen(8))
     r = torch.randn(numel, generator=gen(9)) if with_residual else None
     out = torch.full((n + 2,), -1.0)
     K.sample_abs(g, r, n, out)
-    pos = [j * numel // n for j in range(n)]
+    pos = [j * numel // n + (((j * 0x4F1BBCDD) % 2**31) * ((j + 1) * numel // n - j * numel // n) >> 31)
+           for j in range(n)]  # one position per stratum at a fixed offset (kernels.sample_positions)
     expect = (g[pos] if r is None else g[pos] + r[pos]).abs()
     assert torch.equal(out[:n], expect)
     assert (out[n:] == -1.0).all()
+
+
+def test_sample_spans_a_matrix_columns():
+    """The sample of a 256 x 1568 gradient (4096 of 401 408 elements) reaches most of its columns: a plain stride
+    (every 98th element) fell on 16 of them, and a threshold from those kept up to 2x too many elements."""
+    cols = {int(p) % 1568 for p in K.sample_positions(256 * 1568, 4096)}
+    assert len(cols) > 1000
 
 
 def random_indices_ref(numel: int, k: int, seed: int) -> np.ndarray:
