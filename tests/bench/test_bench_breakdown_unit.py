@@ -51,6 +51,19 @@ def test_the_targets_compare_every_cf_run_on_both_paths_with_the_wall_clock_rati
     assert "each method its own job" in text and "| 1.500x |" in text and "| 1.200x |" in text
 
 
+def test_the_floor_pair_is_context_without_a_verdict() -> None:
+    """hvd-floor:CF / ddp-floor:CF (each path moving CF's bytes with no codec) is what Horovod itself costs: shown
+    beside the targets with its ratio, never judged against their bound."""
+    res = {"params": 1, "size": 2, "methods": {"hvd-floor:10": _method(0.030, 0.033),
+                                               "ddp-floor:10": _method(0.020, 0.022)}}
+    (t,) = summarize(res, 100.0)["targets"]
+    assert t["a"] == "hvd-floor:10" and abs(t["ratio"] - 1.5) < 1e-9 and "pass" not in t
+    meta = {"command": "x", "date": "d", "commit": "c", "load": 0.0, "rounds": 3, "block": 4, "warmup": 1,
+            "batch": 32, "rate": "r", "own_jobs": True, "model": "cnn", "model_desc": "m", "params": 1, "size": 2}
+    row = next(line for line in format_report(summarize(res, 100.0), meta).splitlines() if "hvd-floor:10 /" in line)
+    assert "no codec" in row and row.endswith("| - |") and "FAIL" not in row
+
+
 def test_own_jobs_of_a_method_append_their_blocks_in_turn() -> None:
     """--own-jobs runs a method as several jobs that take turns with the other methods': the second job's blocks
     index its own records, after the first's."""
