@@ -42,13 +42,14 @@ from .checks import check_seed
 from .memory import ErrorFeedback
 from .wire import CHECK_LEN, Agreement, SparseStatsLayout, shared_seed
 
-__all__ = ["LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
+__all__ = ["WIRE", "WIRE_BYTES", "LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
 
 #: A tensor whose rank-1 factors are not at least this many times smaller than it goes dense: below that the two
 #: round trips cost more than the bytes they save.
 MIN_SAVING = 2.0
 #: The factors' wire format: half of float32's bytes at the same rank; error feedback keeps the rounding.
 WIRE = torch.float16
+WIRE_BYTES = torch.finfo(WIRE).bits // 8
 #: The factors' scale is 2^e with e within this bound (a zero or runaway norm keeps the scale in float range).
 SCALE_EXP = 60
 
@@ -213,7 +214,7 @@ class LowRankCodec:
             if residual is not None:
                 residual.zero_()  # the residual went out whole
             return payload, ctx, payload.numel() * 4
-        return stats, ctx, r * (dims[0] + dims[1]) * _WIRE_BYTES + stats.numel() * 4
+        return stats, ctx, r * (dims[0] + dims[1]) * WIRE_BYTES + stats.numel() * 4
 
     def totals(self, step: int) -> tuple[int, int] | None:
         """(elements, rows + cols) of the matrices factored before `step`, fixed for the whole step: the same on
@@ -300,9 +301,6 @@ class LowRankCodec:
             res.zero_()
         else:
             res.sub_(ctx.grad)
-
-
-_WIRE_BYTES = torch.finfo(WIRE).bits // 8
 
 
 def _wire(factor: torch.Tensor, scale: float) -> torch.Tensor:
