@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from crossover.compression import cost_model as cm
-from crossover.compression.lowrank_codec import WIRE_BYTES, matrix_shape, rank_for
+from crossover.compression.lowrank_codec import matrix_shape, rank_for
 from crossover.compression.selectors import k_for
 from crossover.compression.wire import SparseStatsLayout
 
@@ -74,8 +74,7 @@ def _predicted(method: str, comp: Any, params: list[torch.nn.Parameter], world: 
         shared = comp.codec.totals(rec.step)  # the matrices the one rank of the step is sized on
         for n, shape in ((p.numel(), matrix_shape(p.shape)) for p in params if p.numel() >= min_numel):
             r = rank_for(*shape, rec.sent_cf, shared) if shape else 0
-            factors = cm.ring_allreduce(WIRE_BYTES * r * sum(shape), world).bytes  # float16 factors
-            out += factors + cm.ring_allreduce(4.0 * ((0 if r else n) + nstats), world).bytes
+            out += cm.ring_allreduce(4.0 * ((r * sum(shape) if r else n) + nstats), world).bytes
         return out
     if method == "randomk":
         nstats = SparseStatsLayout(len(rec.probes)).length

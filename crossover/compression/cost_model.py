@@ -216,7 +216,7 @@ def transport_cost(kind: str, numel: int, k: int, world: int, nstats: int = 0) -
         return Cost(2.0 * levels * PAIR_BYTES * k, 2.0 * levels)
     if kind == OKTOPK:  # the paper's bound on the volume; split-and-reduce rounds + recursive doubling
         return Cost(6.0 * (world - 1) / world * PAIR_BYTES * k, (world - 1) + levels)
-    if kind == POWERSGD:  # P = M Q and Q = M^T P allreduced in turn, as float16 (lowrank_codec.WIRE)
-        half = ring_allreduce(2.0 * k / 2.0, world)
+    if kind == POWERSGD:  # P = M Q and Q = M^T P allreduced in turn
+        half = ring_allreduce(4.0 * k / 2.0, world)
         return half + half
     raise ValueError(f"unknown transport {kind!r}; the modelled ones are {', '.join(MODELLED)}")

@@ -9,11 +9,6 @@ Q of r columns that every rank holds alike (drawn from the shared seed, then war
 4. every rank applies the same P Q^T; what it leaves of M stays in the residual (error feedback), and Q is kept
    for the next step.
 
-Both factors travel as float16, divided by a power of two every rank derives from the last step's reduced statistics
-(the mean norm of M): P and Q are bounded by M's row and column norms, so they stay in float16's range, and their
-rounding is part of what P Q^T leaves in the residual. Reduced factors that are not finite anyway (a gradient that grew
-that much in one step) make the step non-finite on every rank alike.
-
 Both allreduces travel as the codec's own collectives, batched per step: `encode` starts each tensor's P allreduce,
 `advance` (the first `decode` of a step, or the host when it knows the step's tensors are all encoded) finishes
 them and starts every Q allreduce, and `decode` finishes its tensor. The host reduces only the statistics vector
@@ -42,16 +37,11 @@ from .checks import check_seed
 from .memory import ErrorFeedback
 from .wire import CHECK_LEN, Agreement, SparseStatsLayout, shared_seed
 
-__all__ = ["WIRE", "WIRE_BYTES", "LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
+__all__ = ["LowRankCodec", "LowRankCtx", "matrix_shape", "rank_for"]
 
 #: A tensor whose rank-1 factors are not at least this many times smaller than it goes dense: below that the two
 #: round trips cost more than the bytes they save.
 MIN_SAVING = 2.0
-#: The factors' wire format: half of float32's bytes at the same rank; error feedback keeps the rounding.
-WIRE = torch.float16
-WIRE_BYTES = torch.finfo(WIRE).bits // 8
-#: The factors' scale is 2^e with e within this bound (a zero or runaway norm keeps the scale in float range).
-SCALE_EXP = 60
 
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
@@ -93,8 +83,6 @@ class LowRankCtx:
     q_handle: Any = None
     p: torch.Tensor | None = None  # the orthonormalised averaged P (rows x r)
     local_finite: bool = True
-    factors_finite: bool = True  # the reduced float16 factors were finite (the same on every rank)
-    scale: float = 1.0  # the factors travel divided by it
     agreement: Agreement | None = None  # what the ranks must do alike with the tensor, checked in decode
 
 
@@ -110,12 +98,10 @@ class LowRankCodec:
         self._outputs: dict[str, torch.Tensor] = {}
         self._matrices: dict[str, tuple[int, int]] = {}  # key -> (rows, cols): every matrix factored so far
         self._shared: tuple[int, tuple[int, int] | None] = (-1, None)  # (step, its rank_for totals)
-        self._scale: dict[str, float] = {}  # key -> the factors' scale, from the last reduced statistics
 
     def forget(self) -> None:
         """Drop the warm starts and any step in flight (elastic reset): Q is drawn again from the seed."""
         self._q.clear()
-        self._scale.clear()
         self._pending = []
 
     def warm_state(self) -> dict[str, torch.Tensor]:
@@ -200,8 +186,7 @@ class LowRankCodec:
             kept = {cf: float(energy[ranks[cf] - 1]) if ranks.get(cf) else acc_sq for cf in rec.probes}
             if r > 0:
                 ctx.kind, ctx.acc, ctx.q, ctx.q_rest = cost_model.POWERSGD, m, q[:, :r], q[:, r:]
-                ctx.scale = self._scale.get(key, 1.0)
-                ctx.p_handle = comm.allreduce_async(_wire(p[:, :r], ctx.scale), f"crossover.lowrank.p.{key}")
+                ctx.p_handle = comm.allreduce_async(p[:, :r].contiguous(), f"crossover.lowrank.p.{key}")
                 self._pending = [c for c in self._pending if c.step == rec.step] + [ctx]
         ctx.agreement = Agreement.of(tensor, compressor="powersgd", sent_cf=rec.sent_cf, probes=rec.probes,
                                      transport=ctx.kind, seed=self.seed if ctx.kind == cost_model.POWERSGD else None)
@@ -214,7 +199,7 @@ class LowRankCodec:
             if residual is not None:
                 residual.zero_()  # the residual went out whole
             return payload, ctx, payload.numel() * 4
-        return stats, ctx, r * (dims[0] + dims[1]) * WIRE_BYTES + stats.numel() * 4
+        return stats, ctx, (r * (dims[0] + dims[1]) + stats.numel()) * 4
 
     def totals(self, step: int) -> tuple[int, int] | None:
         """(elements, rows + cols) of the matrices factored before `step`, fixed for the whole step: the same on
@@ -243,11 +228,9 @@ class LowRankCodec:
         rank alike; `decode` does when it finds its tensor's Q not begun)."""
         todo, self._pending = self._pending, []
         for c in todo:
-            p = comm.wait(c.p_handle).float()
+            c.p = _orthonormal(comm.wait(c.p_handle))
             c.p_handle = None
-            c.factors_finite = bool(torch.isfinite(p).all())  # reduced: alike on every rank
-            c.p = _orthonormal(p) if c.factors_finite else torch.zeros_like(p)  # zeros: the Q round still runs
-            c.q_handle = comm.allreduce_async(_wire(_times(c.acc.t(), c.p), c.scale), f"crossover.lowrank.q.{c.key}")
+            c.q_handle = comm.allreduce_async(_times(c.acc.t(), c.p).contiguous(), f"crossover.lowrank.q.{c.key}")
 
     def decode(self, reduced: torch.Tensor, ctx: LowRankCtx, comm: Any,
                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,18 +245,12 @@ class LowRankCodec:
         if ctx.agreement is not None:  # before any wait: a disagreement raises on every rank instead of hanging
             ctx.agreement.check(host[len(host) - CHECK_LEN:], one, comm.size(), ctx.key, comm.rank())
         finite = all(math.isfinite(v) for v in host)
-        if finite and one > 0:  # the next step's scale: the mean norm of M over ranks, the same on every rank
-            self._scale[ctx.key] = 2.0 ** max(-SCALE_EXP, min(SCALE_EXP, round(math.log2(
-                max(host[SparseStatsLayout.ACC_NORM] / one, 2.0 ** -SCALE_EXP)))))
         if ctx.kind == cost_model.DENSE:
             out = reduced[:ctx.numel]
         else:
             if ctx.q_handle is None:
                 self.advance(comm)
-            q = comm.wait(ctx.q_handle).float().mul_(ctx.scale)
-            if not (ctx.factors_finite and bool(torch.isfinite(q).all())):
-                finite = False
-                stats = torch.full_like(stats, float("nan"))  # the step is non-finite on every rank alike
+            q = comm.wait(ctx.q_handle)
             out = self._outputs.get(ctx.key)
             if out is None or out.numel() != ctx.numel or out.device != reduced.device:
                 out = self._outputs[ctx.key] = torch.empty(ctx.numel, dtype=torch.float32, device=reduced.device)
@@ -301,11 +278,6 @@ class LowRankCodec:
             res.zero_()
         else:
             res.sub_(ctx.grad)
-
-
-def _wire(factor: torch.Tensor, scale: float) -> torch.Tensor:
-    """`factor` / `scale` as the wire's float16 (a new contiguous tensor, as the collectives want)."""
-    return (factor / scale).to(WIRE, memory_format=torch.contiguous_format)
 
 
 def _times(m: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:

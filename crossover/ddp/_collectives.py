@@ -15,9 +15,9 @@ Gloo's allgather needs the same size on every rank. Two ways to get it:
   the first one stalls the backward pass until every rank reaches the bucket (docs/ddp.md has the
   measurement that chose the first way).
 
-Allreduces (the low-rank codec's P and Q factors) are queued, and `flush` starts one allreduce of everything queued
-per dtype, after an optional head the caller has already averaged (a bucket's payload): PyTorch's PowerSGD hook
-likewise sends each round as one flat tensor.
+Allreduces (the low-rank codec's P and Q factors) are queued, and `flush` starts one allreduce of everything queued,
+after an optional head the caller has already averaged (a bucket's payload): PyTorch's PowerSGD hook likewise sends
+each round as one flat tensor.
 """
 
 from __future__ import annotations
@@ -93,27 +93,18 @@ class TorchDistCollectives:
 
     def flush(self, head: torch.Tensor | None = None) -> torch.futures.Future | None:
         """Start one allreduce (a sum) of `head` (flat, already divided by the group's size) and of every queued
-        tensor of its dtype, in that order, and one more per other dtype queued (the low-rank factors' float16);
-        the future returned is the first one's, its value beginning with the reduced head. None when there is
-        nothing."""
+        tensor, in that order; its future's value begins with the reduced head. None when there is nothing."""
         queue, self._queue = self._queue, []
-        by_dtype: dict[torch.dtype, list[GatherHandle]] = {}
+        parts = ([] if head is None else [head]) + [h.out.reshape(-1) for h in queue]
+        if not parts:
+            return None
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        fut = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+        off = 0 if head is None else head.numel()
         for h in queue:
-            by_dtype.setdefault(h.out.dtype, []).append(h)
-        first = None if head is None else head.dtype
-        order = ([first] if first is not None else []) + [d for d in by_dtype if d != first]
-        futures = []
-        for dtype in order:
-            members = by_dtype.get(dtype, [])
-            parts = ([head] if dtype == first else []) + [h.out.reshape(-1) for h in members]
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-            fut = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
-            off = head.numel() if dtype == first else 0
-            for h in members:
-                h.fut, h.out = fut, flat[off:off + h.out.numel()].view_as(h.out)
-                off += h.out.numel()
-            futures.append(fut)
-        return futures[0] if futures else None
+            h.fut, h.out = fut, flat[off:off + h.out.numel()].view_as(h.out)
+            off += h.out.numel()
+        return fut
 
     def discard(self) -> None:
         """Forget the allreduces queued and not started (a step abandoned)."""

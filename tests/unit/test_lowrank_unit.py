@@ -88,8 +88,7 @@ def test_an_average_of_lower_rank_than_the_factors_is_exact():
     group = SimulatedGroup(world)
     codecs = [LowRankCodec(seed=1) for _ in range(world)]
     outs = _step(codecs, grads, 1, rows * cols / (3 * (rows + cols)), group)  # rank 3
-    mean = sum(grads) / world  # exact up to the float16 factors' rounding (a few ulps of the largest entry)
-    torch.testing.assert_close(outs[0][0], mean, rtol=0, atol=8 * 2.0 ** -11 * float(mean.abs().max()))
+    torch.testing.assert_close(outs[0][0], sum(grads) / world, rtol=1e-4, atol=1e-4)
 
 
 def test_warm_start_converges_to_the_leading_subspace():
@@ -102,7 +101,7 @@ def test_warm_start_converges_to_the_leading_subspace():
     cf = rows * cols / (2 * (rows + cols)) - 1  # rank 2
     for step in range(1, 5):
         outs = _step(codecs, [target.clone() for _ in range(world)], step, cf, group)
-    torch.testing.assert_close(outs[0][0], target, rtol=0, atol=8 * 2.0 ** -11 * float(target.abs().max()))
+    torch.testing.assert_close(outs[0][0], target, rtol=1e-3, atol=1e-3)
 
 
 def test_a_nonfinite_gradient_decodes_nan_everywhere_and_leaves_no_trace():
@@ -121,47 +120,6 @@ def test_a_nonfinite_gradient_decodes_nan_everywhere_and_leaves_no_trace():
     assert bool((codecs[1].memory.get("w") == 0).all())  # its own gradient was not finite: zeros
     for c, q in zip(codecs, warm):
         assert torch.equal(c._q["w"], q)  # the warm start is untouched
-
-
-def test_factors_travel_as_float16_scaled_by_the_last_steps_norm_and_an_overflow_leaves_no_trace():
-    """The factors are float16 on the wire (half the bytes), divided by a power of two from the last step's reduced
-    norm, the same on every rank: a gradient 1e6 times larger than float16's range still decodes finite. A finite
-    gradient that outgrew the scale in one step overflows the reduced factors: NaN on every rank, no trace."""
-    world, shape, cf = 2, (64, 96), 10.0
-    group = SimulatedGroup(world)
-    codecs = [LowRankCodec(seed=4) for _ in range(world)]
-    big = [g * 1e10 for g in _grads(world, 1, shape)]  # float32, finite; P and Q far beyond float16 at scale 1
-    _step(codecs, [g * 1e-10 for g in big], 1, cf, group)  # step 1 (scale 1) sizes the next scale on its norm
-    _step(codecs, [g * 1e4 for g in _grads(world, 2, shape)], 2, cf, group)
-    assert len({c._scale["w"] for c in codecs}) == 1 and codecs[0]._scale["w"] > 2.0 ** 10  # from step 2's norm
-    grads = [g * 1e4 for g in _grads(world, 3, shape)]
-    rec = StepRecord(step=3, sent_cf=cf, probes=(cf,))
-    enc = [c.encode("w", g.clone(), rec, 0.01, group.rank_view(r)) for r, (c, g) in enumerate(zip(codecs, grads))]
-    rows, cols = shape
-    r = enc[0][1].q.shape[1]
-    assert enc[0][2] == r * (rows + cols) * 2 + enc[0][0].numel() * 4  # float16 factors, float32 statistics
-    _finish(codecs, enc, group)
-    residuals = [c.memory.get("w").clone() for c in codecs]
-    warm = [c._q["w"].clone() for c in codecs]
-    huge = [g * 1e11 for g in _grads(world, 4, shape)]  # 1e7x the scale: the float16 factors overflow
-    outs = _step(codecs, huge, 4, cf, group)
-    for out, stats in outs:
-        assert torch.isnan(out).all() and not math.isfinite(float(stats.sum()))
-    for c, res, q, g in zip(codecs, residuals, warm, huge):  # put back, up to float32's rounding of M = g + res
-        rounding = 4 * 2.0 ** -23 * float(g.abs().max())
-        torch.testing.assert_close(c.memory.get("w"), res, rtol=0, atol=rounding)
-        assert float(c.memory.get("w").abs().max()) <= float(res.abs().max()) + rounding  # not the step's gradient
-        assert torch.equal(c._q["w"], q)  # the warm start is untouched
-    outs = _step(codecs, [g * 1e11 for g in _grads(world, 5, shape)], 5, cf, group)  # the scale followed the norm
-    assert all(bool(torch.isfinite(out).all()) for out, _ in outs) and torch.equal(outs[0][0], outs[1][0])
-
-
-def _finish(codecs, enc, group):
-    reduced = torch.stack([e[0] for e in enc]).mean(0)
-    views = [group.rank_view(r) for r in range(len(codecs))]
-    for c, v in zip(codecs, views):
-        c.advance(v)
-    return [c.decode(reduced.clone(), e[1], v) for c, e, v in zip(codecs, enc, views)]
 
 
 def test_vectors_and_small_matrices_go_dense_with_their_statistics():
