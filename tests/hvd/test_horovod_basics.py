@@ -12,7 +12,13 @@ def allreduce_job():
     x = torch.arange(10, dtype=torch.float32) * (r + 1) + 0.25 * r
     avg = hvd.allreduce(x, op=hvd.Average, name="avg")
     total = hvd.allreduce(x, op=hvd.Sum, name="sum")
-    return {"rank": r, "size": hvd.size(), "x": x.tolist(), "avg": avg.tolist(), "sum": total.tolist()}
+    # float16 at a length that is no multiple of 8 (Gloo's F16C sums take 8 at a time, the tail apart), two
+    # tensors fused into one buffer at an odd offset
+    halves = [torch.randn(n, generator=torch.Generator().manual_seed(7 * r + n)).half() for n in (1003, 517)]
+    handles = [hvd.allreduce_async(h, op=hvd.Sum, name=f"half.{i}") for i, h in enumerate(halves)]
+    half_sums = [hvd.synchronize(h) for h in handles]
+    return {"rank": r, "size": hvd.size(), "x": x.tolist(), "avg": avg.tolist(), "sum": total.tolist(),
+            "halves": [h.tolist() for h in halves], "half_sums": [s.tolist() for s in half_sums]}
 
 
 def test_allreduce_two_ranks_exact():
@@ -22,6 +28,9 @@ def test_allreduce_two_ranks_exact():
     for r in res:
         assert torch.equal(torch.tensor(r["sum"]), x0 + x1)
         assert torch.equal(torch.tensor(r["avg"]), (x0 + x1) / 2)
+        for i, got in enumerate(r["half_sums"]):  # each element summed in float32, rounded once to float16
+            a, b = (torch.tensor(q["halves"][i], dtype=torch.float16) for q in res)
+            assert torch.equal(torch.tensor(got, dtype=torch.float16), (a.float() + b.float()).half())
 
 
 def optimizer_step_job(lr):
