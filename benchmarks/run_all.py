@@ -619,7 +619,7 @@ def write_report(path: Path, secs: list[Section], runs: list[dict[str, Any]], re
         f"Horovod {info['horovod']} (a shared machine: other processes lower and scatter the figures)",
         "- emulated network: `benchmarks.netem` (network namespaces, `tc tbf` full-duplex links; no added delay: "
         "this kernel lacks `sch_netem`)",
-        "- analysis of earlier runs (why fp16 loses to dense on Gloo/CPU, why GraVAC's epsilon 0.9 stays dense "
+        "- analysis of earlier runs (why GraVAC's epsilon 0.9 stays dense "
         f"on these models): [{history}]({history})",
         "",
     ]
