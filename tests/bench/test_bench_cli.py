@@ -484,9 +484,7 @@ def test_every_tta_section_runs_three_seeds_and_the_recipes_are_there(tmp_path: 
     from benchmarks import run_all
 
     tasks = {t.key: t for t in run_all.tta_tasks(quick=False)}
-    # tta-lm (issue 46's transformer) runs 2 seeds to fit its 10 jobs in about 5 minutes; its report says that a
-    # final-loss verdict needs 3
-    assert all(t.repeats >= 3 for k, t in tasks.items() if k != "tta-lm") and tasks["tta-lm"].repeats == 2
+    assert all(t.repeats >= 3 for t in tasks.values())
     recipes = {k: t for k, t in tasks.items() if k.startswith("tta-recipe-")}
     assert set(recipes) == {"tta-recipe-momentum", "tta-recipe-adamw", "tta-recipe-step", "tta-recipe-mnist-cnn"}
     for key, t in recipes.items():

@@ -187,13 +187,13 @@ def test_compare_times_each_method_to_dense_loss_plus_2_percent(tmp_path: Path) 
 # ------------------------------------------------------------------ the tta-lm section
 
 
-def test_the_lm_section_runs_each_method_as_its_own_job_on_two_seeds(tmp_path: Path) -> None:
+def test_the_lm_section_runs_each_method_as_its_own_job_on_three_seeds(tmp_path: Path) -> None:
     task = run_all.lm_task(quick=False)
     assert task.methods == ("none", "fp16", "gravac", "topk:10", "powersgd:10", "powersgd:30")
     assert not task.side_by_side
-    assert task.repeats == run_all.LM_SEEDS == 2 and task.rate == "100mbit" and task.hosts == 2
+    assert task.repeats == run_all.LM_SEEDS == 3 and task.rate == "100mbit" and task.hosts == 2
     runs = run_all.tta_runs(tmp_path, task)
-    assert len(runs) == 12
+    assert len(runs) == 18
     seeds = {r.argv[r.argv.index("--label") + 1]: r.argv[r.argv.index("--seed") + 1] for r in runs}
     assert seeds["none@1"] == seeds["gravac@1"] == "0" and seeds["none@2"] == seeds["powersgd:10@2"] == "1"
     argv = runs[0].argv
