@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 HOROVOD_VERSION = "0.28.1"
@@ -127,51 +128,50 @@ def cache_key(torch_v: str | None, tf_v: str | None, env: dict[str, str]) -> str
     return f"horovod-{HOROVOD_VERSION}-{py}-torch{torch_v or 'none'}-tf{tf_v or 'none'}-{digest}"
 
 
+def _edit(path: Path, edit: Callable[[str], str], failure: str) -> None:
+    """Rewrite `path` with `edit`, or stop with `failure` when it changes nothing: a different sdist is never
+    half-patched silently."""
+    text = path.read_text()
+    new = edit(text)
+    if new == text:
+        die(failure)
+    path.write_text(new)
+
+
+def _insert_once(anchor: str, before: str = "", after: str = "") -> Callable[[str], str]:
+    """An edit that puts text around `anchor` when the file holds it exactly once (else changes nothing)."""
+    return lambda text: text.replace(anchor, before + anchor + after) if text.count(anchor) == 1 else text
+
+
 def patch_sources(src: Path, with_tf: bool, with_cuda: bool = False) -> None:
     """Apply the fixes that make 0.28.1 build on today's stack (see docs/horovod-build.md)."""
     # Fix 1: PyTorch >= 2.1 headers need C++17; Horovod pins C++14 in two places.
     for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
-        path = src / rel
-        text = path.read_text()
-        new = text.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)")
-        if new == text:
-            die(f"patch 'C++17' found nothing to change in {rel}: is this Horovod {HOROVOD_VERSION}?")
-        path.write_text(new)
+        _edit(src / rel, lambda t: t.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"),
+              f"patch 'C++17' found nothing to change in {rel}: is this Horovod {HOROVOD_VERSION}?")
     # Fix 4 (CUDA builds): Horovod compiles its CUDA kernels as C++11; the CUDA 13 toolkit's headers
     # need C++17.
     if with_cuda:
-        path = src / "horovod/common/ops/cuda/CMakeLists.txt"
-        text = path.read_text()
-        new = text.replace("set(CMAKE_CUDA_STANDARD 11)", "set(CMAKE_CUDA_STANDARD 17)")
-        if new == text:
-            die("patch 'CUDA C++17' found nothing to change")
-        path.write_text(new)
+        _edit(src / "horovod/common/ops/cuda/CMakeLists.txt",
+              lambda t: t.replace("set(CMAKE_CUDA_STANDARD 11)", "set(CMAKE_CUDA_STANDARD 17)"),
+              "patch 'CUDA C++17' found nothing to change")
     # Fix 6: Horovod builds its Gloo without USE_AVX and Gloo's CMake omits math.cc, so float16 sums run in
     # software (2.5-4x slower than float32). Turn on Gloo's F16C/AVX sums when Horovod's arch flags allow them.
-    path = src / "CMakeLists.txt"
-    text = path.read_text()
-    anchor = "    add_subdirectory(third_party/gloo)\n"
     avx = ('    if("${HOROVOD_BUILD_ARCH_FLAGS}" MATCHES "-mavx" AND "${HOROVOD_BUILD_ARCH_FLAGS}" MATCHES "-mf16c")\n'
            '        set(USE_AVX ON CACHE BOOL "" FORCE)\n'
            '        add_definitions(-DGLOO_USE_AVX=1)\n'
            '    endif()\n')
-    if text.count(anchor) != 1:
-        die("patch 'Gloo AVX' found no single add_subdirectory(third_party/gloo)")
-    path.write_text(text.replace(anchor, avx + anchor))
-    path = src / "third_party/gloo/gloo/CMakeLists.txt"
-    text = path.read_text()
-    anchor = '  "${CMAKE_CURRENT_SOURCE_DIR}/gather.cc"\n'
-    if text.count(anchor) != 1 or "/math.cc" in text:
-        die("patch 'Gloo math.cc' found nothing to change")
-    path.write_text(text.replace(anchor, anchor + '  "${CMAKE_CURRENT_SOURCE_DIR}/math.cc"\n'))
+    _edit(src / "CMakeLists.txt", _insert_once("    add_subdirectory(third_party/gloo)\n", before=avx),
+          "patch 'Gloo AVX' found no single add_subdirectory(third_party/gloo)")
+    add_math = _insert_once('  "${CMAKE_CURRENT_SOURCE_DIR}/gather.cc"\n',
+                            after='  "${CMAKE_CURRENT_SOURCE_DIR}/math.cc"\n')
+    _edit(src / "third_party/gloo/gloo/CMakeLists.txt", lambda t: t if "/math.cc" in t else add_math(t),
+          "patch 'Gloo math.cc' found nothing to change")
     # Fix 3: TF 2.21 headers lack what xla_mpi_ops.cc includes; the XLA ops are optional.
     if with_tf:
-        path = src / "horovod/tensorflow/CMakeLists.txt"
-        text = path.read_text()
-        new = re.sub(r"list\(APPEND TF_SOURCES [^)]*xla_mpi_ops\.cc\"\)\n", "", text)
-        if new == text:
-            die("patch 'drop xla_mpi_ops.cc' found nothing to change")
-        path.write_text(new)
+        _edit(src / "horovod/tensorflow/CMakeLists.txt",
+              lambda t: re.sub(r"list\(APPEND TF_SOURCES [^)]*xla_mpi_ops\.cc\"\)\n", "", t),
+              "patch 'drop xla_mpi_ops.cc' found nothing to change")
 
 
 def fetch_sdist(dest: Path) -> Path:
