@@ -148,7 +148,7 @@ def lm_task(quick: bool) -> TtaTask:
                    "warm-up then cosine, clipping at 1; 100 steps, 2 emulated hosts at 100 Mbit/s, each method its "
                    "own job", ("--model", "transformer", "--dataset", "pydoc", "--eval-samples", "8192"), 2,
                    "100mbit", ("--epochs", "1", "--max-steps", "6" if quick else "100"), 5,
-                   repeats=1 if quick else LM_SEEDS, minutes=9,
+                   repeats=1 if quick else LM_SEEDS, minutes=6,
                    methods=("none", "fp16", "gravac", "topk:10", "powersgd:10", "powersgd:30"))
 
 
