@@ -39,7 +39,7 @@ import torch
 from crossover.compression.grouped import GroupedCollectives
 from crossover.driver import check_min_numel
 from crossover.driver.flat import user_stats
-from crossover.driver.session import LowRankSession, SparseSession, StepSession
+from crossover.driver.session import LowRankSession, SparseSession, StepSession, finite_probe
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import (
     torch_hook_caller,
@@ -284,7 +284,7 @@ class TorchHookBase(metaclass=CompressionType):
             return self._small_out(ctx)
         if ctx is None:
             if tensor.is_floating_point() and not tensor.is_sparse:
-                self._passed.append(torch.isfinite(tensor).all())  # no sync here: read once, at the step's end
+                self._passed.append(finite_probe(tensor))  # no sync here: read once, at the step's end
             return tensor
         return self._decode(tensor, ctx)
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from crossover.driver import check_min_numel
-from crossover.driver.session import LowRankSession, SparseSession, StepSession
+from crossover.driver.session import LowRankSession, SparseSession, StepSession, finite_probe
 
 from ._buckets import BucketLayouts
 from ._collectives import TorchDistCollectives
@@ -152,7 +152,7 @@ class _CodecEngine(_Engine):
             def seen(f: Future) -> torch.Tensor:
                 out = f.value()
                 if out.is_floating_point():
-                    passed[index] = torch.isfinite(out).all()  # read at the next step's flush
+                    passed[index] = finite_probe(out)  # read at the next step's flush
                 return out
 
             fut = allreduce_mean(buf, self.group).then(seen)
@@ -236,7 +236,7 @@ class _CodecEngine(_Engine):
                         g.copy_(reduced[off:off + g.numel()].view_as(g))
                         off += g.numel()
                     if dense:
-                        passed[index] = torch.isfinite(reduced[:off]).all()
+                        passed[index] = finite_probe(reduced[:off])
                     for j, (g, p, ctx) in enumerate(encoded):
                         out = self.session.decode(reduced[off:off + p.numel()], ctx, self.comm,
                                                   order=index * _PIECES + j)

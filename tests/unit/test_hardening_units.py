@@ -535,3 +535,18 @@ def test_settings_are_checked_at_construction_when_crossover_is_imported_first()
                                     eager["results"][len(_BAD_CONSTRUCTIONS):]):
         assert got == ["built", "horovod_ext._dispatch"], (expr, got)
         assert torch_got[0] == "built", (expr, torch_got)
+
+
+def test_finite_probe_is_finite_exactly_when_every_value_is():
+    from crossover.driver.session import finite_probe
+
+    big = torch.full((1000,), torch.finfo(torch.float32).max)  # its float32 sum would overflow; float64's does not
+    assert torch.isfinite(finite_probe(big))
+    assert torch.isfinite(finite_probe(torch.full((70000,), 65504.0, dtype=torch.float16)))
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        t = torch.randn(4097)
+        t[1234] = bad
+        assert not torch.isfinite(finite_probe(t))
+    both = torch.randn(10)
+    both[2], both[7] = float("inf"), -float("inf")  # they do not cancel: inf - inf is NaN
+    assert not torch.isfinite(finite_probe(both))
