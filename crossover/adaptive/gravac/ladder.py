@@ -26,12 +26,10 @@ from typing import Callable
 from crossover.adaptive.gravac.gains import GainBook
 from crossover.adaptive.gravac.ladder_state import LadderState, Timing, Trial, step_time
 from crossover.adaptive.gravac.tunables import (
-    AUTO_WINDOW_MIN,
     DENSE_MARGIN,
     DRIFT_MIN_STEPS,
     FALSE_ALARM_GROWTH,
     FIRST_TRIAL_SKIP,
-    SHORT_TRIAL_MARGIN,
     SKIP_MARGIN,
     SWITCH_MARGIN,
     SWITCH_SKIP,
@@ -219,10 +217,9 @@ class LadderSearch:
     def _losing(self, tr: Trial) -> bool:
         """True when the CF on trial is already far behind the best of the search: its median step time
         over the shortest window gives a system throughput short of the best compression throughput by
-        more than ``SKIP_MARGIN`` times omega's allowance (its gain could only lower it further), or over
-        its first two or three timed steps by more than ``SHORT_TRIAL_MARGIN`` times. A wrong rung then
-        costs a few steps, not a whole window (a dense window on a slow link is long); a rung further behind
-        still (``SWITCH_MARGIN``) costs its switch step alone."""
+        more than ``SKIP_MARGIN`` times omega's allowance (its gain could only lower it further), judged from its
+        second timed step on. A wrong rung then costs a few steps, not a whole window (a dense window on a slow
+        link is long); a rung further behind still (``SWITCH_MARGIN``) costs its switch step alone."""
         s = self.s
         if s.best is None or s.tie is not None:
             return False
@@ -236,9 +233,7 @@ class LadderSearch:
             # A drift check downward must find a CF at least as fast as the settled one is now (best_rate
             # is that throughput x (1 + omega)): two steps slower by more than omega end it.
             return rate * (1.0 + self._omega) ** 2 < s.best_rate
-        # two steps suffice when it is further behind still (dense on a slow link)
-        margin = SKIP_MARGIN if len(times) >= AUTO_WINDOW_MIN else SHORT_TRIAL_MARGIN
-        return rate * margin * (1.0 + self._omega) < s.best_rate
+        return rate * SKIP_MARGIN * (1.0 + self._omega) < s.best_rate
 
     def _drift_search(self, med: float, slower: bool) -> None:
         """The settled CF's step time moved: check the neighbour the change favours, walking on from it

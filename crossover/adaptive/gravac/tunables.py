@@ -42,11 +42,9 @@ FIRST_TRIAL_SKIP = 3
 PAUSE_FACTOR = 2.0
 #: A walk up from a settled CF times each higher CF for at least this many steps: a short median lies.
 WALK_UP_STEPS = 12
-#: A lower CF is skipped when predicted this many times beyond omega's allowance (slow rungs are costly).
+#: A lower CF is skipped when predicted this many times beyond omega's allowance (slow rungs are costly), and a trial
+#: ends after two timed steps this far behind (2.2x): two steps that slow after the switch step are no accident.
 SKIP_MARGIN = 2.0
-#: ... a trial is ended after two timed steps already when this far behind (2.75x at omega 0.1): dense on a slow
-#: link is 3x to 4x a CF-10 step, and two steps that slow after the switch step are no accident.
-SHORT_TRIAL_MARGIN = 2.5
 #: ... and after its switch step alone when this far behind (4.4x at omega 0.1): a switch costs 1.2x-1.5x, dense on a
 #: 100 Mbit/s link 6x a CF-10 step (each step of a hopeless dense trial costs 5 compressed ones).
 SWITCH_MARGIN = 4.0
