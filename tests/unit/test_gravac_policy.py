@@ -1010,8 +1010,8 @@ def test_momentum_one_caps_the_ladder_at_cf_min_and_saves() -> None:
 
 
 @pytest.mark.parametrize(("dense", "dense_steps"), [(0.133, 3), (0.1, 3), (0.082, 5)])
-def test_under_the_cap_a_dense_trial_3x_slower_than_cf_10_ends_after_two_timed_steps(dense: float,
-                                                                                      dense_steps: int) -> None:
+def test_under_the_cap_a_dense_trial_over_2_2x_slower_than_cf_10_ends_after_two_timed_steps(dense: float,
+                                                                                             dense_steps: int) -> None:
     # The recipe matrix's AdamW MLP at 300 Mbit/s: CF 10 steps in 41 ms, dense in 133 ms (3.2x). Capped at CF 10,
     # the first search times CF 10, then dense: with one compressed rung nothing predicts dense, so it is timed; two
     # timed dense steps (after the switch step) already lose by more than SKIP_MARGIN x omega's allowance (2.2x; the

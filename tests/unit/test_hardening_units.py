@@ -537,7 +537,7 @@ def test_settings_are_checked_at_construction_when_crossover_is_imported_first()
         assert torch_got[0] == "built", (expr, torch_got)
 
 
-def test_finite_probe_is_true_exactly_when_every_value_is_finite():
+def test_finite_probe_is_true_exactly_when_every_value_is_finite() -> None:
     from crossover.driver.session import finite_probe
 
     top = torch.finfo(torch.float32).max  # a sum of these would overflow; min and max do not
