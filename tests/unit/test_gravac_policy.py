@@ -1071,18 +1071,30 @@ def test_a_capped_state_saves_and_resumes_and_the_paper_search_ignores_momentum(
                                                                                   lambda t: 0.0)
 
 
-def test_under_the_cap_faster_steps_do_not_time_dense_while_it_is_predicted_far_behind() -> None:
+def test_under_the_cap_faster_steps_do_not_time_dense_while_it_is_out_of_reach() -> None:
     # Seed 1 of the momentum recipe at 300 Mbit/s: settled at CF 10 (42 ms), the steps got 23 % faster (33 ms).
-    # Dense (135 ms) is timed in the first search, ended after 3 steps, and at that drift check, where it is 4.1x
-    # behind (4.5x with omega's allowance a drift check asks for): ended on its switch step. Nothing above the cap
-    # is ever sent.
+    # Dense (135 ms) is timed in the first search and ended after 3 steps. At the drift check its best case (all of
+    # CF 10's 9 ms drop from the link, 10x that for dense: 45 ms) is still behind CF 10 by more than omega: not timed.
+    # Nothing above the cap is ever sent.
     before, after = {100.0: 0.013, 10.0: 0.042, 1.0: 0.135}, {100.0: 0.013, 10.0: 0.033, 1.0: 0.135}
     policy = GravacPolicy()
     policy.expect_momentum()
     sent = _drive_with_momentum(policy, 120, lambda t: 0.9, time=lambda cf: before[cf])
     sent += _drive_with_momentum(policy, 280, lambda t: 0.9, time=lambda cf: after[cf], start=120)
-    assert max(sent) == 10.0 and [n for cf, n in _runs(sent) if cf == 1.0] == [3, 1]
+    assert max(sent) == 10.0 and [n for cf, n in _runs(sent) if cf == 1.0] == [3]
     assert policy.settled and policy.send_cf == 10.0
+
+
+def test_under_the_cap_a_link_that_got_fast_enough_for_dense_times_dense_again() -> None:
+    # As above, but the link got so much faster that dense may now keep up (CF 10 drops 12 ms; dense's best case,
+    # 135 - 10 x 12 ms, is under CF 10's 30 ms): the drift check times dense, which now wins.
+    before, after = {100.0: 0.013, 10.0: 0.042, 1.0: 0.135}, {100.0: 0.013, 10.0: 0.030, 1.0: 0.024}
+    policy = GravacPolicy()
+    policy.expect_momentum()
+    sent = _drive_with_momentum(policy, 120, lambda t: 0.9, time=lambda cf: before[cf])
+    later = _drive_with_momentum(policy, 280, lambda t: 0.9, time=lambda cf: after[cf], start=120)
+    assert [n for cf, n in _runs(sent) if cf == 1.0] == [3] and 1.0 in later
+    assert policy.settled and policy.send_cf == 1.0
 
 
 def test_expect_momentum_caps_the_search_until_the_statistics_arrive() -> None:

@@ -39,7 +39,7 @@ from crossover.adaptive.gravac.tunables import (
     TIE_WINDOW,
     WALK_UP_STEPS,
 )
-from crossover.adaptive.gravac.types import DENSE, Plan, StepStats
+from crossover.adaptive.gravac.types import DENSE, Plan, StepStats, median
 
 __all__ = ["LadderSearch", "ladder_rungs", "momentum_cap"]
 
@@ -167,8 +167,8 @@ class LadderSearch:
             tr.terms.append([terms[0], terms[1]])
         timed = len(tr.times) - self._skip()
         if timed >= self._trial_length(self.step - len(tr.times)) or self._losing(tr):
+            self._judge(tr)  # before counting it: its timing leaves out the steps this trial skipped
             self.s.windows += 1
-            self._judge(tr)
 
     def _watch_settled(self, t: float) -> None:
         """Settled: the gain test, a due retry, then step-time drift, in that order."""
@@ -249,9 +249,9 @@ class LadderSearch:
         self._retime(cf, med, rate)
         s.drift_from = cf
         nxt = i + 1 if slower else i - 1
-        if not slower and nxt >= 0 and self._hopeless(nxt):
-            # Faster steps, but the CF below is still predicted far behind (under a cap at CF 10: dense, from CF 10
-            # now and the rung above): no trial, the new step time is the reference.
+        if not slower and nxt >= 0 and (self._hopeless(nxt) or self._out_of_reach(nxt, cf, med)):
+            # Faster steps, but the CF below is still predicted far behind: no trial, the new step time is the
+            # reference.
             log.info("step %d: CF %g's step time moved from %.1f to %.1f ms; CF %g is still far behind", self.step,
                      cf, 1e3 * s.ref_time, 1e3 * med, self.rungs[nxt])
             self._settle(cf, med)  # as a false alarm: the wait before the next check grows
@@ -291,7 +291,8 @@ class LadderSearch:
         """The trial's timing, kept in ``rates`` (and its timed steps in ``trial_times``)."""
         s = self.s
         times = self._timed(tr)
-        st = step_time(times)
+        # The run's first trial still carries the process's warm-up, which only slows steps: its faster half.
+        st = step_time(times) if s.windows > 0 else median(sorted(times)[:(len(times) + 1) // 2])
         per_step = tr.samples / len(tr.times)
         terms = tr.gain_terms() if tr.cf > DENSE else None
         gain = self._gains.ratio(*terms) if terms is not None else None
@@ -446,6 +447,21 @@ class LadderSearch:
         predicted = ra.step_time + slope * (1.0 / self.rungs[rung] - 1.0 / a)
         margin = DENSE_MARGIN if rung == 0 else SKIP_MARGIN
         return ra.per_step / predicted * margin * (1.0 + self._omega) < s.best_rate
+
+    def _out_of_reach(self, rung: int, cf: float, st: float) -> bool:
+        """True when the settled ``cf``, now faster (from ``ref_time`` to ``st``), still beats ``rung`` by more than
+        omega even in the lower CF's best case. Its step time T was measured in an earlier search; the settled CF's
+        drop d came from compute, the compression or the link, and only the link's share grows with the bytes, at
+        most cf / (the rung's CF) times: the rung now steps in at least T - d x cf / CF. A bound, not a fit: no
+        margin beyond omega. (The warm-up of a process speeds every CF alike; without this, each such drift timed
+        dense: 3-4 dense steps of 4.5x a CF-10 step, twice before the target on the momentum MLP.)"""
+        s = self.s
+        low = self.rungs[rung]
+        r = s.rates.get(low)
+        if r is None:
+            return False
+        best_case = r.step_time - (s.ref_time - st) * cf / low
+        return best_case > 0.0 and r.per_step / best_case * (1.0 + self._omega) < self._rate_now(cf, st)
 
     def _retime(self, cf: float, st: float, rate: float) -> None:
         """The settled CF's timing is now its recent median ``st``: a search that starts from it predicts the
