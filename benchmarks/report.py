@@ -628,8 +628,23 @@ def oracle_parts(runs: Sequence[dict[str, Any]], hits: Sequence[dict[str, Any] |
         steps, time = int(e["step"]), float(e["train_s"])
         parts.append({"seed": _seed(r), "steps": steps, "oracle_steps": o_steps, "time_s": time,
                       "oracle_time_s": o_time, "path": steps / o_steps,
-                      "speed": (time / steps) / (o_time / o_steps)})
+                      "speed": (time / steps) / (o_time / o_steps),
+                      "settled_speed": _settled_step_s(r.get("steps") or [], steps) / (o_time / o_steps)})
     return parts
+
+
+def _settled_step_s(steps: Sequence[dict[str, Any]], until: int) -> float:
+    """Seconds per step (data included) up to step `until` over the steps sent at the CF sent most often until
+    then: the run's speed with its search's steps (trials of other CFs) left out; NaN without per-step CFs."""
+    upto = [x for x in steps if int(x["step"]) <= until and x.get("cf") is not None]
+    if not upto:
+        return math.nan
+    counts: dict[Any, int] = {}
+    for x in upto:
+        counts[x["cf"]] = counts.get(x["cf"], 0) + 1
+    main = max(counts, key=counts.get)
+    kept = [float(x["step_s"]) + float(x.get("data_s") or 0.0) for x in upto if x["cf"] == main]
+    return sum(kept) / len(kept)
 
 
 def oracle_parts_text(row: dict[str, Any], oracle: str | None) -> str | None:
@@ -639,10 +654,14 @@ def oracle_parts_text(row: dict[str, Any], oracle: str | None) -> str | None:
         return None
     steps = ", ".join(f"{p['steps']} vs {p['oracle_steps']:g}" for p in parts)
     speed = ", ".join(f"{p['speed']:.2f}x" for p in parts)
+    at = [p["settled_speed"] for p in parts if math.isfinite(p.get("settled_speed", math.nan))]
+    settled = "" if len(at) < len(parts) else (
+        f"; the steps at the CF it sent most, the search's left out: {', '.join(f'{x:.2f}x' for x in at)} "
+        f"(median {_median(at):.2f}x)")
     return (f"What the time / oracle ratio is made of, per seed against {oracle} on the same seed: steps to the "
             f"target {steps} (the path: median {_median([p['path'] for p in parts]):.2f}x); training seconds per "
             f"step until then {speed} (the speed, search included: median "
-            f"{_median([p['speed'] for p in parts]):.2f}x).")
+            f"{_median([p['speed'] for p in parts]):.2f}x){settled}.")
 
 
 def _compare_plots(runs: list[dict[str, Any]], groups: dict[tuple[Any, ...], list[dict[str, Any]]],

@@ -9,6 +9,7 @@ AdaptiveCompression() (`gravac`) is held to (a) a median final within that sprea
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -203,7 +204,14 @@ def test_the_oracle_ratio_splits_into_the_path_and_the_speed(tmp_path: Path) -> 
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert ("per seed against topk:100 on the same seed: steps to the target 90 vs 90, 100 vs 90, 90 vs 90 (the "
             "path: median 1.00x); training seconds per step until then 1.20x, 1.00x, 1.00x (the speed, search "
-            "included: median 1.00x).") in md
+            "included: median 1.00x); the steps at the CF it sent most, the search's left out: 1.20x, 1.00x, 1.00x "
+            "(median 1.00x).") in md
+    # A search: 3 dense steps of 0.4 s among steps of 0.1 s at CF 10 count in the speed, not at the CF sent most
+    trial = (5, 6, 7)
+    steps = [{"step": i, "step_s": 0.4 if i in trial else 0.1, "data_s": 0.01, "cf": 1.0 if i in trial else 10.0}
+             for i in range(1, 21)]
+    assert report._settled_step_s(steps, 10) == pytest.approx(0.11)
+    assert math.isnan(report._settled_step_s([{**x, "cf": None} for x in steps], 10))
 
 
 def test_time_to_target_reads_a_moving_mean_of_three_evaluations() -> None:
