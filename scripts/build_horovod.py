@@ -200,12 +200,31 @@ def build_wheel(with_tf: bool, env: dict[str, str], out_dir: Path) -> Path:
     return wheels[0]
 
 
+#: Written into the installed horovod package: the cache key of the wheel this script installed there.
+MARKER = ".crossover-build"
+
+
+def installed_key(with_tf: bool) -> str | None:
+    """The key in the installed Horovod's marker, or None when Horovod (or a framework's ops) does not import or
+    was not installed by this script (a stock Horovod 0.28.1 lacks the Gloo fixes of docs/horovod-build.md)."""
+    code = ("import os, horovod, horovod.torch" + (", horovod.tensorflow" if with_tf else "")
+            + f"; print(os.path.join(os.path.dirname(horovod.__file__), {MARKER!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    marker = Path(out.stdout.strip()) if out.returncode == 0 else None
+    if marker is None or marker.is_symlink() or not marker.is_file():
+        return None
+    return marker.read_text().strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--with-tensorflow", action="store_true",
                         help="build the TensorFlow ops too (TensorFlow must be importable)")
     parser.add_argument("--rebuild", action="store_true", default=os.environ.get("CROSSOVER_REBUILD") == "1",
                         help="ignore the cached wheel and build again")
+    parser.add_argument("--check", action="store_true",
+                        help="build nothing: exit 0 when the installed Horovod is the wheel this script would "
+                             "install now (same patches, Python, torch, TensorFlow and flags), else 1")
     args = parser.parse_args()
 
     torch_v = module_version("torch")
@@ -217,6 +236,8 @@ def main() -> None:
 
     env = build_env(args.with_tensorflow)
     key = cache_key(torch_v, tf_v, env)
+    if args.check:
+        sys.exit(0 if installed_key(args.with_tensorflow) == key else 1)
     wheel_dir = cache_root() / "wheels" / key
     cached = sorted(wheel_dir.glob("horovod-*.whl")) if wheel_dir.exists() else []
     if cached and not args.rebuild:
@@ -237,6 +258,11 @@ def main() -> None:
     # Horovod's own runtime requirements (installed separately because of --no-deps above).
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cffi", "cloudpickle", "psutil", "pyyaml",
                     "packaging"], check=True)
+    out = subprocess.run([sys.executable, "-c", "import os, horovod; print(os.path.dirname(horovod.__file__))"],
+                         capture_output=True, text=True, check=True)
+    marker = Path(out.stdout.strip()) / MARKER
+    marker.unlink(missing_ok=True)  # never write through a link left there
+    marker.write_text(key + "\n")
 
 
 if __name__ == "__main__":

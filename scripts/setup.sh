@@ -54,19 +54,9 @@ if [ "${WITH_TF:-0}" = "1" ]; then
   HVD_ARGS+=(--with-tensorflow)
 fi
 
-# 5. Horovod: skip when the right version (and frameworks) are already installed.
-have_hvd() {
-  "$PY" - "$@" <<'PYEOF'
-import sys
-try:
-    import horovod
-    import horovod.torch  # noqa: F401
-    if "--with-tensorflow" in sys.argv[1:]:
-        import horovod.tensorflow  # noqa: F401
-except Exception:
-    sys.exit(1)
-sys.exit(0 if horovod.__version__ == "0.28.1" else 1)
-PYEOF
+# 5. Horovod: skip when the wheel scripts/build_horovod.py would install (patched, this torch) is installed.
+have_hvd() {  # the patched wheel scripts/build_horovod.py installs, built for this torch (a stock 0.28.1 is not)
+  "$PY" scripts/build_horovod.py --check "$@"
 }
 if [ "${CROSSOVER_REBUILD:-0}" = "1" ] || ! have_hvd "${HVD_ARGS[@]}"; then
   "$PY" scripts/build_horovod.py "${HVD_ARGS[@]}"
