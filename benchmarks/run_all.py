@@ -314,8 +314,8 @@ def sections(out: Path, quick: bool, large: bool, data_root: str | None) -> list
             f"point (perplexity: plus 1%; validation loss: plus 2%), checked every {task.eval_every} steps. "
             + ("`gravac` and `dqsgd` run with their defaults. " if "dqsgd" in task.methods
                else "`gravac` runs with its defaults. ")
-            + "The oracle static choice is the fastest to the target of dense, fp16 and static top-k 10/100/1000 on "
-            "this workload"
+            + "The oracle static choice is the fastest to the target of the fixed choices (dense, fp16, static top-k, "
+            "low rank) that kept dense's accuracy on this workload"
             + (f"; {task.repeats} repeats of each method, repeat N on seed N-1 (medians; the spread in brackets), "
                "the final accuracy of each method beside dense's own seed-to-seed spread." if task.repeats > 1
                else ".")

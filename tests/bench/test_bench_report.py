@@ -226,3 +226,19 @@ def test_time_to_target_reads_a_moving_mean_of_three_evaluations() -> None:
            for s, p in enumerate((9.0, 3.0, 9.0, 5.0, 4.0, 4.0), start=1)]
     assert report.first_reach(ppl, "perplexity", 5.0)["step"] == 6  # lower is better: mean(5, 4, 4) = 4.33
     assert report.first_reach(ppl, "perplexity", 5.0, smooth=1)["step"] == 2
+
+
+def test_the_oracle_is_the_fastest_fixed_choice_that_kept_accuracy(tmp_path: Path) -> None:
+    # top-k 100 reaches dense's final less 1 point first on every seed, but ends 2 points under dense, outside target
+    # (a)'s bound (0.5 point: dense's spread here is 0): the oracle of target (b) is top-k 10, not top-k 100
+    paths = []
+    for seed in range(3):
+        paths.append(fake(tmp_path, f"none@{seed + 1}", seed, 1.0, curve((0.97, 0.97))))
+        paths.append(fake(tmp_path, f"topk:10@{seed + 1}", seed, 0.5, curve((0.97, 0.97)), sent=400))
+        paths.append(fake(tmp_path, f"topk:100@{seed + 1}", seed, 0.2, curve((0.96, 0.94)), sent=40))
+        paths.append(fake(tmp_path, f"gravac@{seed + 1}", seed, 0.5, curve((0.97, 0.97)), sent=400))
+    res = report.compare(paths, tmp_path / "cmp")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["topk:100"]["time_to_dense_final_s"] < rows["topk:10"]["time_to_dense_final_s"]
+    assert rows["gravac"]["oracle_static"] == "topk:10" and rows["gravac"]["time_vs_oracle"] == pytest.approx(1.0)
+    assert res["targets"][1]["pass"] and "oracle static (topk:10)" in res["targets"][1]["target"]
