@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -387,9 +388,10 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
 
         t_dense, t_fp16 = _all_reached(tta.get("none")), _all_reached(tta.get("fp16"))
         statics = {m: _all_reached(tta[m]) for m in by_method if m.startswith(STATIC_PREFIXES)}
-        kept = {m: _kept_accuracy([finals[id(r)][0] for r in by_method[m]], len({_seed(r) for r in by_method[m]}),
-                                  dense_final, dense_spread, len(by_seed), metric) for m in statics}
-        reached = {m: t for m, t in statics.items() if t is not None and kept[m]}  # a choice that loses the model
+        lost = {m for m in statics if _accuracy_verdict(
+            _median([f for r in by_method[m] if (f := finals[id(r)][0]) is not None]),
+            len({_seed(r) for r in by_method[m]}), dense_final, dense_spread, len(by_seed), metric) is False}
+        reached = {m: t for m, t in statics.items() if t is not None and m not in lost}  # it lost the model
         oracle = min(reached, key=reached.get) if reached else None
         t_oracle = reached.get(oracle) if oracle else None
         dense_step = _median([r["summary"]["median_step_s"] for r in by_method.get("none", [])
@@ -573,15 +575,6 @@ def method_targets(rows: Sequence[dict[str, Any]], method: str = "gravac") -> li
     return out
 
 
-def _kept_accuracy(fins: Sequence[float | None], seeds: int, dense_final: float | None, dense_spread: float | None,
-                   dense_seeds: int, metric: str) -> bool:
-    """Target (a)'s rule for a fixed choice's runs (their finals): True also where it cannot be judged."""
-    fin = [f for f in fins if f is not None]
-    if not fin or dense_final is None or dense_spread is None or min(seeds, dense_seeds) < MIN_SEEDS:
-        return True
-    return _accuracy_gap(_median(fin), dense_final, dense_spread, lower_is_better(metric))[2]
-
-
 def _accuracy_gap(m_med: float, d_med: float, spread: float, ppl: bool) -> tuple[float, float, bool]:
     """Target (a)'s rule: (gap to dense, bound, within it); the bound is dense's seed-to-seed spread or 0.5 point
     (perplexity: relative, 0.5 %), whichever is larger; being better than dense is within it."""
@@ -591,11 +584,17 @@ def _accuracy_gap(m_med: float, d_med: float, spread: float, ppl: bool) -> tuple
 
 
 def _within_bound(row: dict[str, Any], dense: dict[str, Any]) -> bool | None:
-    """Target (a)'s rule for any method (None: no figure, or fewer than MIN_SEEDS seeds)."""
-    d_med, m_med, spread = dense.get("final_metric"), row.get("final_metric"), dense.get("dense_spread")
-    if d_med is None or m_med is None or spread is None or min(row["seeds"], dense["seeds"]) < MIN_SEEDS:
+    """Target (a)'s rule for any method's row (None: no figure, or fewer than MIN_SEEDS seeds)."""
+    return _accuracy_verdict(row.get("final_metric"), row["seeds"], dense.get("final_metric"),
+                             dense.get("dense_spread"), dense["seeds"], row["metric"])
+
+
+def _accuracy_verdict(m_med: float | None, seeds: int, d_med: float | None, spread: float | None, d_seeds: int,
+                      metric: str) -> bool | None:
+    """Target (a)'s rule on medians (None: no figure, or fewer than MIN_SEEDS seeds on either side)."""
+    if d_med is None or m_med is None or spread is None or min(seeds, d_seeds) < MIN_SEEDS:
         return None
-    return _accuracy_gap(m_med, d_med, spread, lower_is_better(row["metric"]))[2]
+    return _accuracy_gap(m_med, d_med, spread, lower_is_better(metric))[2]
 
 
 def kept_accuracy_oracle(rows: Sequence[dict[str, Any]], method: str = "gravac") -> str | None:
@@ -652,10 +651,7 @@ def _settled_step_s(steps: Sequence[dict[str, Any]], until: int) -> float:
     upto = [x for x in steps if int(x["step"]) <= until and x.get("cf") is not None]
     if not upto:
         return math.nan
-    counts: dict[Any, int] = {}
-    for x in upto:
-        counts[x["cf"]] = counts.get(x["cf"], 0) + 1
-    main = max(counts, key=counts.get)
+    main = Counter(x["cf"] for x in upto).most_common(1)[0][0]
     kept = [float(x["step_s"]) + float(x.get("data_s") or 0.0) for x in upto if x["cf"] == main]
     return sum(kept) / len(kept)
 

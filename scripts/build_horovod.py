@@ -204,13 +204,18 @@ def build_wheel(with_tf: bool, env: dict[str, str], out_dir: Path) -> Path:
 MARKER = ".crossover-build"
 
 
+def installed_marker(imports: str = "") -> Path | None:
+    """The marker's path in the installed horovod package, or None when horovod (or `imports`, a comma-separated list
+    of its framework modules) does not import; imported in a subprocess to keep this one clean."""
+    code = f"import os, horovod{imports}; print(os.path.join(os.path.dirname(horovod.__file__), {MARKER!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return Path(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def installed_key(with_tf: bool) -> str | None:
     """The key in the installed Horovod's marker, or None when Horovod (or a framework's ops) does not import or
     was not installed by this script (a stock Horovod 0.28.1 lacks the Gloo fixes of docs/horovod-build.md)."""
-    code = ("import os, horovod, horovod.torch" + (", horovod.tensorflow" if with_tf else "")
-            + f"; print(os.path.join(os.path.dirname(horovod.__file__), {MARKER!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    marker = Path(out.stdout.strip()) if out.returncode == 0 else None
+    marker = installed_marker(", horovod.torch" + (", horovod.tensorflow" if with_tf else ""))
     if marker is None or marker.is_symlink() or not marker.is_file():
         return None
     return marker.read_text().strip()
@@ -258,9 +263,9 @@ def main() -> None:
     # Horovod's own runtime requirements (installed separately because of --no-deps above).
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cffi", "cloudpickle", "psutil", "pyyaml",
                     "packaging"], check=True)
-    out = subprocess.run([sys.executable, "-c", "import os, horovod; print(os.path.dirname(horovod.__file__))"],
-                         capture_output=True, text=True, check=True)
-    marker = Path(out.stdout.strip()) / MARKER
+    marker = installed_marker()
+    if marker is None:
+        die("the Horovod wheel installed but does not import")
     marker.unlink(missing_ok=True)  # never write through a link left there
     marker.write_text(key + "\n")
 

@@ -55,7 +55,7 @@ if [ "${WITH_TF:-0}" = "1" ]; then
 fi
 
 # 5. Horovod: skip when the wheel scripts/build_horovod.py would install (patched, this torch) is installed.
-have_hvd() {  # the patched wheel scripts/build_horovod.py installs, built for this torch (a stock 0.28.1 is not)
+have_hvd() {
   "$PY" scripts/build_horovod.py --check "$@"
 }
 if [ "${CROSSOVER_REBUILD:-0}" = "1" ] || ! have_hvd "${HVD_ARGS[@]}"; then
