@@ -45,9 +45,9 @@ WALK_UP_STEPS = 12
 #: A lower CF is skipped when predicted this many times beyond omega's allowance (slow rungs are costly), and a trial
 #: ends after two timed steps this far behind (2.2x): two steps that slow after the switch step are no accident.
 SKIP_MARGIN = 2.0
-#: ... and after its switch step alone when this far behind (4.4x at omega 0.1): a switch costs 1.2x-1.5x, dense on a
-#: 100 Mbit/s link 6x a CF-10 step (each step of a hopeless dense trial costs 5 compressed ones).
-SWITCH_MARGIN = 4.0
+#: ... and after its switch step alone when this far behind (3.3x at omega 0.1): SKIP_MARGIN times the costliest switch
+#: (1.5x); dense under the momentum cap at 300 Mbit/s steps 4.2x-4.6x a CF-10 step (each such step costs 3 more).
+SWITCH_MARGIN = 3.0
 #: ... dense only beyond this: the 1 / CF extrapolation overrates dense's time (no compression cost).
 DENSE_MARGIN = 4.0
 
