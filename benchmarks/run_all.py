@@ -36,7 +36,11 @@ HISTORY = Path("reports/history/early-benchmarks.md")  # the hand-written analys
 
 
 def image_dir(report: Path) -> Path:
-    """Where a report's plots go: reports/img/bench for BENCHMARKS.md, reports/img/<report name> for another."""
+    """Where a report's plots go: reports/img/bench for BENCHMARKS.md, reports/img/<report name> for another report in
+    reports/, <report name>-img beside a report kept elsewhere (a scratch report under results/ then leaves nothing in
+    reports/ to commit by accident)."""
+    if (REPO / report).resolve().parent != (REPO / IMG.parent.parent).resolve():
+        return report.parent / f"{report.stem}-img"
     return IMG if report.name == "BENCHMARKS.md" else IMG.parent / report.stem
 
 #: the time-to-accuracy matrix (issue 12): what a user could fix by hand, and the adaptive methods with

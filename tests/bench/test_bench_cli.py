@@ -446,6 +446,18 @@ def test_side_by_side_sections_run_every_method_of_a_repeat_in_one_job(tmp_path:
     assert run_all._compare_dir(sec) == tmp_path / task.key / "compare"
 
 
+def test_run_all_plots_of_a_report_outside_reports_stay_beside_it() -> None:
+    """Only reports in reports/ put their plots in reports/img/ (the folder is emptied on each run): a scratch report
+    under results/ (or anywhere else) gets <name>-img beside it, so nothing in reports/ changes behind its back."""
+    from benchmarks import run_all
+
+    assert run_all.image_dir(Path("reports/BENCHMARKS.md")) == Path("reports/img/bench")
+    assert run_all.image_dir(Path("reports/benchmarks-1gbit.md")) == Path("reports/img/benchmarks-1gbit")
+    assert run_all.image_dir(Path("results/s1/report.md")) == Path("results/s1/report-img")
+    assert run_all.image_dir(Path("/tmp/x/r.md")) == Path("/tmp/x/r-img")
+    assert run_all.image_dir(run_all.REPO / "reports" / "a.md") == Path("reports/img/a")
+
+
 def test_run_all_merge_re_runs_one_section_and_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
     """`--merge` measures only the selected sections again; the report holds every section, each with the
     run that measured it; the earlier outputs of the other sections are kept byte for byte."""
