@@ -388,9 +388,10 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
 
         t_dense, t_fp16 = _all_reached(tta.get("none")), _all_reached(tta.get("fp16"))
         statics = {m: _all_reached(tta[m]) for m in by_method if m.startswith(STATIC_PREFIXES)}
-        lost = {m for m in statics if _accuracy_verdict(
-            _median([f for r in by_method[m] if (f := finals[id(r)][0]) is not None]),
-            len({_seed(r) for r in by_method[m]}), dense_final, dense_spread, len(by_seed), metric) is False}
+        final_of = {m: [f for r in rs if (f := finals[id(r)][0]) is not None] for m, rs in by_method.items()}
+        seeds_of = {m: len({_seed(r) for r in rs}) for m, rs in by_method.items()}
+        lost = {m for m in statics if _accuracy_verdict(_median(final_of[m]), seeds_of[m], dense_final, dense_spread,
+                                                       len(by_seed), metric) is False}
         reached = {m: t for m, t in statics.items() if t is not None and m not in lost}  # it lost the model
         oracle = min(reached, key=reached.get) if reached else None
         t_oracle = reached.get(oracle) if oracle else None
@@ -401,7 +402,7 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
             t = _all_reached(tta[m])
             reached_ts = [x for x in tta[m] if x is not None]
             step = _median([s["median_step_s"] for s in ss if s["median_step_s"]])
-            fin = [finals[id(r)][0] for r in rs if finals[id(r)][0] is not None]
+            fin = final_of[m]
             gaps = [finals[id(r)][0] - own[id(r)] for r in rs
                     if finals[id(r)][0] is not None and own[id(r)] is not None]
             ratios = [s["compression_ratio"] for s in ss if s["compression_ratio"]]
@@ -415,7 +416,7 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
                 "final_min": min(fin) if fin else None, "final_max": max(fin) if fin else None,
                 "finals": fin, "final_evals": _median([finals[id(r)][1] for r in rs]),
                 "final_last": _median([s["final_metric"] for s in ss if s["final_metric"] is not None]),
-                "final_minus_dense": _median(gaps), "seeds": len({_seed(r) for r in rs}),
+                "final_minus_dense": _median(gaps), "seeds": seeds_of[m],
                 "dense_final": dense_final, "dense_spread": dense_spread, "dense_seeds": len(by_seed),
                 "dense_target": target, "time_to_dense_final_s": t,
                 "time_to_target_min_s": min(reached_ts) if reached_ts else None,
