@@ -245,19 +245,24 @@ def torch_replace_handles(opt: Any, replace: Any) -> None:
             opt._handles[key] = (new, ctx)
 
 
-def torch_parameter_order(opt: Any) -> dict[str, int]:
-    """Horovod's parameter name -> position of the parameter in the optimizer's param_groups (the same on
-    every rank: the model's registration order). Empty on an unknown Horovod version."""
+def torch_named_parameters(opt: Any) -> list[tuple[str, Any]]:
+    """Horovod's (name, parameter) of the optimizer's param_groups in their order (the same on every rank: the
+    model's registration order); a parameter once. Empty on an unknown Horovod version."""
     names = getattr(opt, "_parameter_names", None)
     if not isinstance(names, dict) or not version_supported():
-        return {}
-    order: dict[str, int] = {}
+        return []
+    named: dict[str, Any] = {}
     for group in getattr(opt, "param_groups", ()):
         for p in group.get("params", ()):
             name = names.get(p)
-            if name is not None and name not in order:
-                order[name] = len(order)
-    return order
+            if name is not None and name not in named:
+                named[name] = p
+    return list(named.items())
+
+
+def torch_parameter_order(opt: Any) -> dict[str, int]:
+    """Horovod's parameter name -> position of the parameter in the optimizer's param_groups."""
+    return {name: i for i, (name, _) in enumerate(torch_named_parameters(opt))}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,14 +4,18 @@ Horovod calls `compress(tensor)` once per gradient in the backward hook (no name
 `decompress(tensor, ctx)` in `synchronize()`. This base turns that into steps and keys:
 * the parameter name and the calling optimizer come from horovod_ext/_internals.py (frames);
 * a step begins at the first `compress` after a `decompress` (or when a name repeats);
-* tensors that are not float32, or sparse, pass through untouched; float32 tensors smaller than `min_compress_numel`
-  (biases, norms, small layers) travel together, as the DDP hook's buckets hold them: Horovod gets an empty tensor
-  for each, and once every gradient is handed over (`synchronize()` begins, before its first wait; else the step's
-  first `decompress`) they are encoded as one flat bucket (`SMALL_KEY`; its payload and statistics by the glue's
-  own allreduces), decoded once and cut back into each member (issue 43: sent one by one,
-  dense, they made the Horovod path send 1.36x the hook's bytes at CF 100 on a CNN). That holds for the CF
-  policies' sparsifying codecs (GraVAC, static top-k), with the optimizer's default `op=hvd.Average`, on a model
-  with at least one float32 parameter of `min_compress_numel` elements (else they pass through, as before);
+* tensors that are not float32, or sparse, pass through untouched; float32 gradients travel in DDP's buckets
+  (issue 43: one by one they cost the Horovod path more encodes, collectives and bytes than the DDP hook): the
+  optimizer's float32 parameters in reverse registration order, cut at DDP's caps (crossover/compression/
+  grouped.py `cut_buckets`, with the allgather groups' caps: 1 MiB, then 25 MiB), the same on every rank (checked
+  at the first step: a bucket's shape would not tell). Horovod gets an empty tensor for each member; a bucket is
+  encoded as one flat tensor the moment its last member arrives (in backward, as DDP's) or when `synchronize()`
+  begins (members that never came), its payload and statistics by the glue's own allreduces (`BUCKET_KEY`:
+  its residual, its agreement checks), decoded once and cut back into each member; a bucket under
+  `min_compress_numel` goes dense, as on the DDP hook, and a gradient alone in its bucket goes on its own. That
+  holds for the CF policies' sparsifying codecs (GraVAC, static top-k), with the optimizer's default
+  `op=hvd.Average`, on a model with at least one float32 parameter of `min_compress_numel` elements (else every
+  gradient goes on its own: compressed at that size, through untouched below it);
 * collectives a codec issues itself (allgather; alltoall for the sparse reduce-scatter) go through
   `HorovodCollectives`, bound to the
   calling optimizer's process set, and travel in groups (crossover/compression/grouped.py): one allgather
@@ -25,6 +29,7 @@ Everything else is the step session (crossover/driver/session.py): a step driver
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -36,13 +41,15 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from crossover.compression.grouped import GroupedCollectives
+from crossover.compression.grouped import GroupedCollectives, cut_buckets
+from crossover.compression.wire import check_same_parameters
 from crossover.driver import check_min_numel
 from crossover.driver.flat import user_stats
 from crossover.driver.session import LowRankSession, SparseSession, StepSession, finite_probe
 from horovod_ext._class_guard import CompressionType, guard_constructors
 from horovod_ext._internals import (
     torch_hook_caller,
+    torch_named_parameters,
     torch_parameter_order,
     torch_process_set,
     torch_quiet_synchronize,
@@ -50,12 +57,13 @@ from horovod_ext._internals import (
     version_supported,
 )
 
-__all__ = ["HorovodCollectives", "OUTSIDE", "SMALL_KEY", "TorchHookBase", "SHARED_ERROR"]
+__all__ = ["HorovodCollectives", "BUCKET_KEY", "OUTSIDE", "TorchHookBase", "SHARED_ERROR"]
 
 #: The context of a tensor handed to compress outside an optimizer's step (sent and returned untouched).
 OUTSIDE = "outside-an-optimizer-step"
-#: The codec's key of the step's flat bucket of small float32 tensors (its residual, its agreement checks).
-SMALL_KEY = "crossover.small-tensors"
+#: The codec's key of bucket i (its residual, its collectives, its agreement checks): BUCKET_KEY + "000[first..last]"
+#: (i zero-padded; its first and last parameters' names in registration order).
+BUCKET_KEY = "crossover.bucket"
 
 log = logging.getLogger(__name__)
 _threads_said = False  # the oversubscription warning, once per process
@@ -156,21 +164,23 @@ class _Alltoall:
 
 
 @dataclass
-class _SmallBucket:
-    """The small float32 tensors of one step, sent as one flat tensor (see the module's docstring)."""
+class _Bucket:
+    """Float32 gradients of one step sent as one flat tensor, DDP's bucket (see the module's docstring)."""
 
+    key: str  # the codec's key (its residual, its collectives' names, its agreement checks)
+    expected: int  # members in the layout: the bucket leaves when that many are in (else when synchronize begins)
     members: list[tuple[str, torch.Tensor]]  # (key, gradient) in arrival order
     places: dict[str, tuple[int, int, torch.Size]] | None = None  # key -> (offset, numel, shape) in the bucket
-    ctx: Any = None
+    ctx: Any = None  # the codec's context; None: sent dense (a bucket under min_compress_numel)
     handle: Any = None  # the payload's allreduce
     out: torch.Tensor | None = None  # the decoded bucket
 
 
 @dataclass
-class _SmallMember:
-    """The context of one small tensor: its bucket, and its key there."""
+class _Member:
+    """The context of one gradient sent in a bucket: its bucket, and its key there."""
 
-    bucket: _SmallBucket
+    bucket: _Bucket
     key: str
 
 
@@ -195,8 +205,8 @@ class TorchHookBase(metaclass=CompressionType):
         self._warned_outside = False
         self._threads_checked = False  # CPU tensors: ranks x threads against the cores, at the first step
         self._passed: list[torch.Tensor] = []  # per tensor passed through this step: finite after the reduction
-        self._bucket_small: bool | None = None  # small float32 tensors travel as one bucket (known at a first step)
-        self._small: _SmallBucket | None = None  # the open bucket of the step in flight
+        self._layout: dict[str, tuple[str, int]] | None = None  # gradient key -> (bucket's key, its members)
+        self._open: dict[str, _Bucket] = {}  # the step's buckets still filling or not yet sent, by key
 
     @property
     def policy(self) -> Any:
@@ -238,8 +248,8 @@ class TorchHookBase(metaclass=CompressionType):
                 self.comm.begin_step()
             if not self._order:
                 self._order = torch_parameter_order(opt)
-            if self._bucket_small is None:
-                self._bucket_small = self._buckets_small(opt)
+            if self._layout is None:
+                self._layout = self._bucket_layout(opt)
         self.comm.enabled = self.grouped
         self.comm.inner.quiet = self.quiet_wait
         if first:
@@ -252,24 +262,28 @@ class TorchHookBase(metaclass=CompressionType):
             self._step_large += int(not small)
         elif tensor.is_floating_point() and not tensor.is_sparse:
             self._step_other.add(str(tensor.dtype).replace("torch.", ""))
-        bucketed = float32 and small and bool(self._bucket_small)
-        if not float32 or (small and not bucketed) or self.session.skips_all():
+        place = (self._layout or {}).get(name) if float32 and name is not None else None
+        if not float32 or (small and place is None) or self.session.skips_all():
             self.session.count(nbytes, nbytes)
             return tensor, None  # pass through untouched
         key, repeated = self._keys.key(name)
         if repeated:  # same parameter twice in one step: treat as a new step
-            self._send_small()
+            self._send_buckets()
             self.comm.flush()
             self._settle_step()
             self.session.begin_step(self.comm)
             self._keys.begin()
             self._keys.key(name)
             self.comm.begin_step()
-        if bucketed:  # joins the step's bucket; Horovod reduces an empty tensor in its place
-            if self._small is None:
-                self._small = _SmallBucket([])
-            self._small.members.append((key, tensor))
-            return tensor.new_empty(0), _SmallMember(self._small, key)
+        if place is not None:  # joins its bucket; Horovod reduces an empty tensor in its place
+            bucket_key, expected = place
+            bucket = self._open.get(bucket_key)
+            if bucket is None:
+                bucket = self._open[bucket_key] = _Bucket(bucket_key, expected, [])
+            bucket.members.append((key, tensor))
+            if len(bucket.members) == expected:
+                self._send_bucket(self._open.pop(bucket_key))
+            return tensor.new_empty(0), _Member(bucket, key)
         ordinal = self._order.get(key)  # backward runs roughly in reverse registration order; else arrival order
         self.comm.note(-ordinal if ordinal is not None else self._step_large, tensor.numel())
         return self._encode(key, tensor)
@@ -280,8 +294,8 @@ class TorchHookBase(metaclass=CompressionType):
             return tensor
         self._submitted()  # at the latest here (Horovod's own synchronize: no earlier call)
         self._phase = "decompress"  # also after a pass-through: the next compress starts a step
-        if isinstance(ctx, _SmallMember):
-            return self._small_out(ctx)
+        if isinstance(ctx, _Member):
+            return self._bucket_out(ctx)
         if ctx is None:
             if tensor.is_floating_point() and not tensor.is_sparse:
                 self._passed.append(finite_probe(tensor))  # no sync here: read once, at the step's end
@@ -289,15 +303,15 @@ class TorchHookBase(metaclass=CompressionType):
         return self._decode(tensor, ctx)
 
     def _submitted(self) -> None:
-        """Every gradient of the step is in (synchronize() begins): the small tensors' bucket and the groups still
+        """Every gradient of the step is in (synchronize() begins): the buckets and the groups still
         open leave now, before the first wait, rather than after the first handle completes (a negotiation round)."""
         if self._phase == "compress":
-            self._send_small()
+            self._send_buckets()
             self.comm.flush()
             self._phase = "submitted"
 
     def _encode(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The session's payload and context for one gradient (or the small tensors' bucket)."""
+        """The session's payload and context for one gradient (or a bucket)."""
         payload, ctx = self.session.encode(key, tensor, self.comm)
         if getattr(ctx, "stats_apart", None) is not None:  # a dense payload: its statistics go by their own allreduce
             ctx.stats_handle = self.comm.inner.allreduce_async(ctx.stats_apart, f"crossover.stats.{key}")
@@ -310,11 +324,13 @@ class TorchHookBase(metaclass=CompressionType):
         return self.session.decode(reduced, ctx, self.comm, stats)
 
     def reset(self) -> None:
-        """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays."""
+        """Forget the step in flight (call from a Horovod elastic reset callback); policy state stays. The bucket
+        layout is made again at the next step, on every rank alike (a worker that joined makes its first)."""
+        self._layout = None
         self._phase = "idle"
         self._keys.begin()
         self._passed.clear()
-        self._small = None
+        self._open.clear()
         self.comm.reset()
         self.session.reset()
 
@@ -353,7 +369,7 @@ class TorchHookBase(metaclass=CompressionType):
         self._phase = "idle"
         self._keys.begin()
         self._passed.clear()
-        self._small = None
+        self._open.clear()
         self.comm.reset()
         if in_flight:
             self._phase = "decompress"  # the next compress finishes the restored step
@@ -376,21 +392,49 @@ class TorchHookBase(metaclass=CompressionType):
                      "the tensor goes through exactly, uncompressed (the object compresses its optimizer's "
                      "gradients; use hvd.Compression.fp16 to compress other tensors)", type(self).__name__)
 
-    def _buckets_small(self, opt: Any) -> bool:
-        """Whether this optimizer's small float32 gradients travel as one bucket (see the module's docstring): the
-        same on every rank (the session, the optimizer's op and the model's parameter sizes)."""
+    def _bucket_layout(self, opt: Any) -> dict[str, tuple[int, int]]:
+        """DDP's buckets over this optimizer's float32 parameters (see the module's docstring): name -> (bucket,
+        members in it); the same on every rank (the session, the optimizer's op, the parameters' order and sizes).
+        Empty (every gradient on its own) where buckets do not apply. Checks first, on every rank, that the ranks'
+        parameters are alike (a bucket's shape would not tell)."""
+        named = torch_named_parameters(opt)
+        mine = [(n, str(p.dtype).replace("torch.", ""), tuple(p.shape)) for n, p in named]
+        check_same_parameters(self._gather_json(mine, "crossover.parameters"), self.comm.rank())
         if not isinstance(self.session, SparseSession) or isinstance(self.session, LowRankSession):
-            return False
+            return {}
         if getattr(opt, "op", hvd.Average) != hvd.Average:
-            return False
-        return any(p.dtype == torch.float32 and p.numel() >= self.min_compress_numel
-                   for group in getattr(opt, "param_groups", ()) for p in group.get("params", ()))
+            return {}
+        named = [(n, p) for n, p in named if p.dtype == torch.float32 and p.requires_grad]
+        if not any(p.numel() >= self.min_compress_numel for _, p in named):
+            return {}
+        named.reverse()  # backward runs roughly in reverse registration order, as DDP's first buckets assume
+        layout: dict[str, tuple[str, int]] = {}  # keys sort in layout order (zero-padded index)
+        for index, bucket in enumerate(cut_buckets([p.numel() for _, p in named], self.comm.first_bytes,
+                                                    self.comm.group_bytes)):  # a bucket's allgather: one group
+            if len(bucket) > 1:  # a gradient alone in its bucket goes on its own (its own key; no copy)
+                # its key names its parameters (registration order): unique among optimizers, as Horovod's names
+                key = f"{BUCKET_KEY}{index:03d}[{named[bucket[-1]][0]}..{named[bucket[0]][0]}]"
+                layout.update((named[i][0], (key, len(bucket))) for i in bucket)
+        return layout
 
-    def _send_small(self) -> None:
-        """Encode the step's bucket of small tensors (every member is in) and start its reductions."""
-        bucket, self._small = self._small, None
-        if bucket is None:
-            return
+    def _gather_json(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's `obj` (JSON: tuples come back as lists, compared as such) on the optimizer's process set
+        (Horovod's allgather_object takes none in 0.28), in rank order; blocking."""
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        comm = self.comm.inner
+        sizes = comm.wait(comm.allgather_async(torch.tensor([data.numel()]), f"{name}.sizes")).tolist()
+        every = comm.wait(comm.allgather_async(data, name)).numpy().tobytes()
+        offsets = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+        return [json.loads(every[offsets[r]:offsets[r + 1]]) for r in range(len(sizes))]
+
+    def _send_buckets(self) -> None:
+        """Send every bucket still open (synchronize() begins: whatever did not arrive will not), in layout order."""
+        open_, self._open = self._open, {}
+        for key in sorted(open_):
+            self._send_bucket(open_[key])
+
+    def _send_bucket(self, bucket: _Bucket) -> None:
+        """Encode a bucket (its members are in) and start its reductions; dense under min_compress_numel."""
         # the same layout on every rank: registration order (arrival order may differ), then names
         members = sorted(bucket.members, key=lambda m: (self._order.get(m[0], math.inf), m[0]))
         places, off = {}, 0
@@ -399,15 +443,25 @@ class TorchHookBase(metaclass=CompressionType):
             off += t.numel()
         bucket.places = places
         flat = torch.cat([t.reshape(-1) for _, t in members])
-        self.comm.note(math.inf, flat.numel())  # after every gradient of the step
-        payload, bucket.ctx = self._encode(SMALL_KEY, flat)
-        bucket.handle = self.comm.inner.allreduce_async(payload, SMALL_KEY)
+        if flat.numel() < self.min_compress_numel:  # as the DDP hook: too small to pay for a codec
+            nbytes = flat.numel() * flat.element_size()
+            self.session.count(nbytes, nbytes)
+            bucket.handle = self.comm.inner.allreduce_async(flat, bucket.key)
+            return
+        self.comm.note(-min(self._order.get(k, 0) for k, _ in members), flat.numel())
+        payload, bucket.ctx = self._encode(bucket.key, flat)
+        bucket.handle = self.comm.inner.allreduce_async(payload, bucket.key)
 
-    def _small_out(self, member: _SmallMember) -> torch.Tensor:
-        """A small tensor's averaged gradient: its part of the bucket, decoded at the first member's decompress."""
+    def _bucket_out(self, member: _Member) -> torch.Tensor:
+        """A member's averaged gradient: its part of the bucket, decoded at the first member's decompress."""
         bucket = member.bucket
         if bucket.out is None:
-            bucket.out = self._decode(self.comm.inner.wait(bucket.handle), bucket.ctx).reshape(-1)
+            reduced = self.comm.inner.wait(bucket.handle)
+            if bucket.ctx is None:
+                self._passed.append(finite_probe(reduced))
+                bucket.out = reduced
+            else:
+                bucket.out = self._decode(reduced, bucket.ctx).reshape(-1)
         off, n, shape = bucket.places[member.key]
         return bucket.out[off:off + n].view(shape)
 

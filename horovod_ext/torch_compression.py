@@ -74,12 +74,13 @@ class GravacCompression(_SparseCompression):
     `**gravac`: any setting of `crossover.adaptive.gravac.GravacPolicy` (cf_min, cf_max, epsilon, omega,
     window, gain, search, cf_step, reopen_drift, warmup_steps, ewma_alpha, scaling); what is not given
     keeps the policy's default, so `AdaptiveCompression()` is exactly the policy's defaults (docs/gravac.md).
-    `enabled=False` turns compression off (exact dense allreduce). `min_compress_numel`: smaller float32
-    tensors (biases, norms) are compressed together as one flat bucket, as the DDP hook's buckets hold them (dense
-    one by one where the model has no tensor of that size). `log_csv`: a path (`{rank}` allowed; one file per
-    rank) that gets one row per step. `tensorboard`: a directory (rank 0 writes) or a SummaryWriter that gets per-step
-    scalars under `crossover/` (docs/compression.md). `momentum`: None reads the optimizer's (SGD-style
-    `momentum` of its param groups) at every step; the policy caps the CF by it (docs/accuracy.md).
+    `enabled=False` turns compression off (exact dense allreduce). float32 gradients travel in DDP's buckets
+    (horovod_ext/_torch_host.py); `min_compress_numel`: a smaller bucket goes dense, as on the DDP hook (every
+    gradient on its own, smaller ones dense, where the model has no tensor of that size). `log_csv`: a path
+    (`{rank}` allowed; one file per rank) that gets one row per step. `tensorboard`: a directory (rank 0 writes)
+    or a SummaryWriter that gets per-step scalars under `crossover/` (docs/compression.md). `momentum`: None
+    reads the optimizer's (SGD-style `momentum` of its param groups) at every step; the policy caps the CF by it
+    (docs/accuracy.md).
     `transport` (rank-specific compressors): "auto" (the default: the sparse reduce-scatter or each rank's own
     pairs by allgather, the cost model's fewer bytes unless measured step times favour the other; the
     reduce-scatter's bytes per worker stay flat as workers are added, and on 2 ranks it is the allgather),

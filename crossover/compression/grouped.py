@@ -36,12 +36,29 @@ import torch
 
 from .collectives import Collectives
 
-__all__ = ["FIRST_GROUP_BYTES", "GROUP_BYTES", "GroupedCollectives", "MemberHandle"]
+__all__ = ["FIRST_GROUP_BYTES", "GROUP_BYTES", "GroupedCollectives", "MemberHandle", "cut_buckets"]
 
 FIRST_GROUP_BYTES = 1 << 20  # DDP's first bucket (1 MiB): the first group leaves early in backward
 GROUP_BYTES = 25 << 20  # DDP's bucket_cap_mb default (25 MiB of dense gradient per group)
 _ALIGN = 8  # every member and directory starts on 8 bytes: any dtype up to 8 bytes views in place
 _MAGIC = 0x43584F47  # "CXOG": the start of a rank's part
+
+
+def cut_buckets(numels: Sequence[int], first_bytes: int = FIRST_GROUP_BYTES,
+                group_bytes: int = GROUP_BYTES) -> list[list[int]]:
+    """DDP's bucket assignment: positions of `numels` (float32 gradients, in expected arrival order) cut into
+    consecutive buckets, a bucket closing once it holds `first_bytes` (the first) or `group_bytes` (the rest)."""
+    buckets: list[list[int]] = []
+    cap, size, current = first_bytes, 0, None
+    for i, n in enumerate(numels):
+        if current is None:
+            current = []
+            buckets.append(current)
+        current.append(i)
+        size += 4 * int(n)
+        if size >= cap:
+            current, size, cap = None, 0, group_bytes
+    return buckets
 
 
 def _fingerprint(name: str) -> int:
@@ -171,16 +188,10 @@ class GroupedCollectives:
         seen = sorted(self._seen, key=lambda m: (m.order, m.name))
         self._seen, self._flushed = [], False
         self._plan, self._groups, self._extra, self._extras, self._note = {}, [], None, [], None
-        cap, size, current = self.first_bytes, 0, None
-        for m in seen:
-            if current is None:
-                current = _Group(f"crossover.group.{m.name}", [])
-                self._groups.append(current)
-            current.members.append(m.name)
-            self._plan[m.name] = current
-            size += 4 * m.numel
-            if size >= cap:
-                current, size, cap = None, 0, self.group_bytes
+        for bucket in cut_buckets([m.numel for m in seen], self.first_bytes, self.group_bytes):
+            group = _Group(f"crossover.group.{seen[bucket[0]].name}", [seen[i].name for i in bucket])
+            self._groups.append(group)
+            self._plan.update((name, group) for name in group.members)
 
     def flush(self) -> None:
         """Send every group still open: planned ones in order, then the unplanned members. Allgathers started

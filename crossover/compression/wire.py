@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Agreement", "RanksDisagree", "CHECK_LEN", "CHECK_SPAN", "CHECK_SLOTS", "INDEX_BYTES", "MAX_BITS",
-           "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_MAX", "SparseStatsLayout", "check_span",
+           "MIN_BITS", "QUANT_STATS_LEN", "SEED_CHECK_SPAN", "STAT_MAX", "SparseStatsLayout", "check_same_parameters",
+           "check_span",
            "clamp_stat", "gather_bitmap", "gather_bitmap_bytes", "k_for", "levels_for_bits", "normalize_reduced",
            "pieces_disagree", "seed_fingerprint", "seeds_disagree", "shared_seed"]
 
@@ -277,10 +278,7 @@ class Agreement:
         """What this rank says when the ranks disagree on `slot` (one of CHECK_SLOTS)."""
         here = f"this rank ({rank})"
         if slot == "tensor":
-            return (f"crossover: the ranks disagree on the shape of {key!r}: {here} has it as {self.dtype} of shape "
-                    f"{tuple(self.shape)} ({self.numel} elements). Every rank must compress the same parameters under "
-                    "the same names with the same shapes (same model, same named_parameters): values at the same "
-                    "positions of different shapes would be summed as one tensor")
+            return _shape_message(key, here, self.dtype, self.shape)
         if slot == "compression":
             probing = f", probing CF {', '.join(f'{p:g}' for p in self.probes)}" if self.probes else ""
             return (f"crossover: the ranks disagree on the compressor or compression factor of {key!r}: {here} "
@@ -315,6 +313,36 @@ def _digest(parts: tuple, pieces: int, span: int) -> list[int]:
 def _code(value: int, span: int) -> int:
     """An exact code in [1, span] (distinct codes stay distinct while below span)."""
     return 1 + value % span
+
+
+def _shape_message(key: str, here: str, dtype: str, shape: Sequence[int]) -> str:
+    return (f"crossover: the ranks disagree on the shape of {key!r}: {here} has it as {dtype} of shape "
+            f"{tuple(shape)} ({math.prod(shape)} elements). Every rank must compress the same parameters under "
+            "the same names with the same shapes (same model, same named_parameters): values at the same "
+            "positions of different shapes would be summed as one tensor")
+
+
+def check_same_parameters(every: Sequence[Sequence[tuple[str, str, tuple[int, ...]]]], rank: int) -> None:
+    """Raise `RanksDisagree` (the same on every rank) unless every rank's parameters, `every[r]` as (name, dtype,
+    shape) in registration order, are alike: a host that sends several gradients as one flat bucket checks them
+    once, since the bucket's own shape cannot tell (100, 200) from (200, 100)."""
+    mine, here = list(every[rank]), f"this rank ({rank})"
+    for other in every:
+        other = list(other)
+        if other == mine:
+            continue
+        for i in range(max(len(mine), len(other))):
+            a = mine[i] if i < len(mine) else None
+            b = other[i] if i < len(other) else None
+            if a is not None and b is not None and a[0] == b[0]:
+                if a != b:
+                    raise RanksDisagree(_shape_message(a[0], here, a[1], a[2]))
+                continue
+            has = f"{a[0]!r} ({a[1]} of shape {tuple(a[2])})" if a is not None else "nothing"
+            raise RanksDisagree(f"crossover: the ranks disagree on the parameters to compress: at position {i} of "
+                                f"the optimizer's parameters {here} has {has}. Every rank must compress the same "
+                                "parameters under the same names in the same order (same model, same "
+                                "named_parameters)")
 
 
 @functools.lru_cache(maxsize=4096)

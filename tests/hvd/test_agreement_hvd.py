@@ -90,7 +90,7 @@ def _refused(results: list[dict], case: str, words: str) -> list[str]:
 
 def test_three_ranks_that_disagree_are_refused_fast():
     res = run_function(three_rank_job, np=3, timeout=75)
-    msgs = _refused(res, "transport", "the ranks disagree on the transport of 't.p")
+    msgs = _refused(res, "transport", "the ranks disagree on the transport of 'crossover.bucket000[t.p0..t.p1]'")
     assert "sends it by 'allgather'" in msgs[0] and "set transport= alike on every rank" in msgs[0]
     assert all("sends it by 'scatter'" in m for m in msgs[1:])
     msgs = _refused(res, "shape", "the ranks disagree on the shape of 's.p1'")
@@ -103,7 +103,7 @@ def test_three_ranks_that_disagree_are_refused_fast():
 
 def test_two_ranks_that_disagree_are_refused_fast():
     res = run_function(two_rank_job, np=2, timeout=60)
-    msgs = _refused(res, "grouping", "the ranks disagree on how the allgathers of 'g.p")
+    msgs = _refused(res, "grouping", "the ranks disagree on how the allgathers of 'crossover.bucket000[g.p0..g.p1]'")
     assert "grouped=True" in msgs[0] and "grouped=False" in msgs[1]
     msgs = _refused(res, "seed_agreed", "the ranks disagree on the seed of 'e.p0'")
     assert "seed=0" in msgs[0] and "seed=1" in msgs[1] and "same seed on every rank" in msgs[1]

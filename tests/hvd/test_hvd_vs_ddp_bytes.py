@@ -25,7 +25,8 @@ BOUND = 1.05  # issue 43: wire bytes per step at most 1.05x the hook's
 
 def _cnn() -> torch.nn.Module:
     """The issue's CNN on 28x28x1 inputs: 431 k parameters, of which conv1, every bias and fc2 (3 210 elements)
-    are below the default min_compress_numel (16 384), conv2 (18 432) and fc1 (409 600) above it."""
+    are below the default min_compress_numel (16 384), conv2 (18 432) and fc1 (409 600) above it; DDP's buckets
+    (and the Horovod path's): fc2 and fc1 (1.6 MB, past the 1 MiB first bucket), then the convolutions."""
     from torch import nn
 
     torch.manual_seed(0)
@@ -80,7 +81,7 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
 
     from crossover import StaticCompression
     from crossover.compression.wire import k_for
-    from horovod_ext._torch_host import SMALL_KEY
+    from horovod_ext._torch_host import BUCKET_KEY
 
     model = _cnn()
     comp = StaticCompression("topk", cf=cf)
@@ -93,7 +94,7 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
                        ("alltoall_async", "alltoall")):  # the glue's own (horovod_ext/_torch_host.py)
         counter.wrap(hvd, attr, kind, 0)
 
-    small = [p for p in model.parameters() if p.numel() < 16384]
+    params = list(model.parameters())
     check: dict[str, Any] = {}
 
     def step(s: int) -> None:
@@ -103,16 +104,19 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
         if s:
             opt.step()
             return
-        # the first step: the small tensors' gradients are the average of what each rank sent of their flat
-        # bucket (registration order), which error feedback tells: its gradient less the residual it kept
-        flat = torch.cat([p.grad.reshape(-1) for p in small])
+        # the first step: every gradient is the average of what each rank sent of its bucket (DDP's: reverse
+        # registration order cut at 1 MiB, a bucket flat in registration order), which error feedback tells: the
+        # bucket's gradient less the residual it kept
+        buckets = [params[4:], params[:4]]  # fc1 and fc2 (1.6 MB: the 1 MiB bucket), then the convolutions
+        grads = [torch.cat([p.grad.reshape(-1) for p in b]) for b in buckets]
         opt.synchronize()
-        res = comp.codec.memory.get(SMALL_KEY)
-        sent = flat - res
-        want = hvd.allreduce(sent, op=hvd.Average, name="test.want")
-        got = torch.cat([p.grad.reshape(-1) for p in small])
-        check.update(numel=flat.numel(), nonzero=int((sent != 0).sum()), k=k_for(flat.numel(), cf),
-                     err=float((got - want).abs().max()), scale=float(want.abs().max()))
+        for i, (b, flat) in enumerate(zip(buckets, grads)):
+            key, = (k for k in comp.codec.memory.keys() if k.startswith(f"{BUCKET_KEY}{i:03d}["))
+            sent = flat - comp.codec.memory.get(key)
+            want = hvd.allreduce(sent, op=hvd.Average, name=f"test.want.{i}")
+            got = torch.cat([p.grad.reshape(-1) for p in b])
+            check[str(i)] = dict(numel=flat.numel(), nonzero=int((sent != 0).sum()), k=k_for(flat.numel(), cf),
+                            err=float((got - want).abs().max()), scale=float(want.abs().max()))
         with opt.skip_synchronize():
             opt.step()
 
@@ -146,9 +150,11 @@ def ddp_job(cf: float) -> list[dict[str, Any]]:
 def test_horovod_sends_no_more_than_the_ddp_hook(cf: float) -> None:
     check, *hvd = run_function(hvd_job, np=2, args=(cf,), timeout=300)[0]
     ddp = run_ddp(ddp_job, world=2, args=(cf,), timeout=300)[0]
-    # the small tensors went compressed, as one bucket, and decode to the average of what the ranks sent
-    assert check["numel"] == 3210 and 0 < check["nonzero"] <= check["k"], check
-    assert check["err"] <= 1e-6 * check["scale"], check
+    # every gradient went compressed in one of two buckets and decodes to the average of what the ranks sent
+    assert [check[i]["numel"] for i in ("0", "1")] == [412426, 18816], check
+    for i in ("0", "1"):
+        assert 0 < check[i]["nonzero"] <= check[i]["k"], check
+        assert check[i]["err"] <= 1e-6 * check[i]["scale"], check
     # DDP rebuilds its buckets after the first step: compare the steps after it
     for s in range(1, STEPS):
         h, d = hvd[s], ddp[s]

@@ -168,6 +168,7 @@ def two_tensor_job(steps: int) -> dict:
     from crossover import StaticCompression
 
     comp = StaticCompression("topk", cf=20.0, transport="scatter")
+    comp.comm.first_bytes = comp.comm.group_bytes = 4 * 30_000  # a bucket each: two tensors, not one bucket
     w, v = torch.nn.Parameter(torch.zeros(N)), torch.nn.Parameter(torch.zeros(30_000))
     opt = hvd.DistributedOptimizer(torch.optim.SGD([w, v], lr=1.0), named_parameters=[("w", w), ("v", v)],
                                    compression=comp)

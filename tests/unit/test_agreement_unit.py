@@ -5,6 +5,7 @@ The real multi-rank Horovod jobs are in test_agreement_hvd.py."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -321,3 +322,21 @@ def test_scatter_another_tensors_failed_alltoall_waits_for_its_own_check():
     for r, (a, b) in enumerate(got):
         assert a is None, (r, a)
         assert isinstance(b, RanksDisagree) and "disagree on the shape of 'b'" in str(b), (r, b)
+
+
+def test_parameters_that_differ_between_ranks_are_named_on_every_rank():
+    """A bucket's flat shape cannot tell (100, 200) from (200, 100): the hosts that bucket check the ranks'
+    parameters once, and every rank names what differs."""
+    from crossover.compression.wire import check_same_parameters
+
+    a = [("fc.weight", "float32", (100, 200)), ("fc.bias", "float32", (100,))]
+    check_same_parameters([a, list(a)], 1)  # alike: nothing raised
+    transposed = [("fc.weight", "float32", (200, 100)), a[1]]
+    for rank, shape in ((0, "(100, 200)"), (1, "(200, 100)")):
+        with pytest.raises(RanksDisagree, match=rf"shape of 'fc.weight': this rank \({rank}\) has it as float32 of "
+                                                rf"shape {re.escape(shape)}"):
+            check_same_parameters([a, transposed], rank)
+    with pytest.raises(RanksDisagree, match=r"parameters to compress: at position 1 .*this rank \(1\) has nothing"):
+        check_same_parameters([a, a[:1]], 1)
+    with pytest.raises(RanksDisagree, match=r"at position 0 .*this rank \(0\) has 'fc.weight'"):
+        check_same_parameters([a, [("other", "float32", (3,)), a[1]]], 0)

@@ -175,3 +175,14 @@ def test_dense_payload_is_the_gradient_when_statistics_go_apart(residual_held):
     assert torch.equal(o0, grad + (0.5 if residual_held else 0.0))
     if residual_held:
         assert torch.equal(r0, r1) and not bool(r1.any())
+
+
+def test_buckets_are_ddps_first_small_then_large():
+    """DDP's assignment: a bucket closes once it holds its cap (1 MiB first, then 25 MiB), whatever comes next."""
+    from crossover.compression.grouped import cut_buckets
+
+    mib = 1 << 18  # float32 elements in 1 MiB
+    assert cut_buckets([10, 2560, 256, 409_600, 64, 18_432, 32, 288]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cut_buckets([mib - 1, 1, 5, 25 * mib, 3]) == [[0, 1], [2, 3], [4]]
+    assert cut_buckets([3, 4], first_bytes=12, group_bytes=12) == [[0], [1]]
+    assert cut_buckets([]) == []
