@@ -1,4 +1,4 @@
-"""The Horovod path sends no more than the DDP hook at the same static CF (issue 43).
+"""The Horovod path sends what the DDP hook sends at the same static CF (issue 43), in the same buckets.
 
 The same model (the issue's CNN: conv 32, conv 64, fc 1600-256, fc 256-10; tensors above and below the default
 `min_compress_numel`) trains a few steps from the same weights on the same batches, once with
@@ -20,7 +20,8 @@ from ddp_harness import run_ddp
 from hvd_harness import run_function
 
 STEPS = 6
-BOUND = 1.05  # issue 43: wire bytes per step at most 1.05x the hook's
+BOUND = 1.0  # issue 43 allows 1.05x the hook's bytes per step; in the hook's buckets the Horovod path sends as many
+DIRECTORY = 32  # bytes a group's allgather adds per rank (its directory: crossover/compression/grouped.py)
 
 
 def _cnn() -> torch.nn.Module:
@@ -162,8 +163,8 @@ def test_horovod_sends_no_more_than_the_ddp_hook(cf: float) -> None:
         assert h["sent"] <= BOUND * d["sent"], (
             f"CF {cf:g}, step {s}: the Horovod path counted {h['sent']} bytes sent, the DDP hook {d['sent']} "
             f"({h['sent'] / d['sent']:.2f}x; bound {BOUND}x)\nhorovod {hvd}\nddp {ddp}")
-        assert h["bytes"] <= BOUND * d["bytes"], (
+        assert h["bytes"] <= BOUND * d["bytes"] + DIRECTORY * h["calls"].get("allgather", 0), (
             f"CF {cf:g}, step {s}: {h['bytes']} bytes handed to Horovod's collectives, {d['bytes']} to the hook's "
-            f"({h['bytes'] / d['bytes']:.2f}x; bound {BOUND}x)\nhorovod {hvd}\nddp {ddp}")
-        # the compressed payloads travel grouped: no more allgathers than the hook's (one per compressed bucket)
-        assert h["calls"].get("allgather", 0) <= d["calls"].get("allgather", 0), (h, d)
+            f"({h['bytes'] / d['bytes']:.4f}x; bound {BOUND}x and the groups' directories)\nhorovod {hvd}\nddp {ddp}")
+        # one allgather per compressed bucket, as the hook's
+        assert h["calls"].get("allgather", 0) == d["calls"].get("allgather", 0), (h, d)
