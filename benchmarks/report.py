@@ -390,8 +390,9 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
         statics = {m: _all_reached(tta[m]) for m in by_method if m.startswith(STATIC_PREFIXES)}
         final_of = {m: [f for r in rs if (f := finals[id(r)][0]) is not None] for m, rs in by_method.items()}
         seeds_of = {m: len({_seed(r) for r in rs}) for m, rs in by_method.items()}
-        lost = {m for m in statics if _accuracy_verdict(_median(final_of[m]), seeds_of[m], dense_final, dense_spread,
-                                                       len(by_seed), metric) is False}
+        kept = {m: _accuracy_verdict(_median(final_of[m]), seeds_of[m], dense_final, dense_spread, len(by_seed),
+                                     metric) for m in by_method}  # target (a)'s rule (None: under MIN_SEEDS seeds)
+        lost = {m for m in statics if kept[m] is False}
         reached = {m: t for m, t in statics.items() if t is not None and m not in lost}  # it lost the model
         oracle = min(reached, key=reached.get) if reached else None
         t_oracle = reached.get(oracle) if oracle else None
@@ -425,7 +426,7 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, *, tolerance: floa
                 "train_s": _median([s["train_s"] for s in ss]),
                 "tta_speedup_vs_dense": (t_dense / t) if t and t_dense else None,
                 "tta_speedup_vs_fp16": (t_fp16 / t) if t and t_fp16 else None,
-                "oracle_static": oracle, "oracle_time_s": t_oracle,
+                "kept_accuracy": kept[m], "oracle_static": oracle, "oracle_time_s": t_oracle,
                 "time_vs_oracle": (t / t_oracle) if t and t_oracle else None,
                 "cf_final": ss[-1].get("cf_final"), "bits_mean": ss[-1].get("bits_mean"),
                 "compressor": ss[-1].get("compressor"),
@@ -584,12 +585,6 @@ def _accuracy_gap(m_med: float, d_med: float, spread: float, ppl: bool) -> tuple
     return gap, bound, (gap <= bound) if ppl else (gap >= -bound)
 
 
-def _within_bound(row: dict[str, Any], dense: dict[str, Any]) -> bool | None:
-    """Target (a)'s rule for any method's row (None: no figure, or fewer than MIN_SEEDS seeds)."""
-    return _accuracy_verdict(row.get("final_metric"), row["seeds"], dense.get("final_metric"),
-                             dense.get("dense_spread"), dense["seeds"], row["metric"])
-
-
 def _accuracy_verdict(m_med: float | None, seeds: int, d_med: float | None, spread: float | None, d_seeds: int,
                       metric: str) -> bool | None:
     """Target (a)'s rule on medians (None: no figure, or fewer than MIN_SEEDS seeds on either side)."""
@@ -599,22 +594,20 @@ def _accuracy_verdict(m_med: float | None, seeds: int, d_med: float | None, spre
 
 
 def kept_accuracy_oracle(rows: Sequence[dict[str, Any]], method: str = "gravac") -> str | None:
-    """Context beside target (b), not a target: the fastest static choice that also ended within target (a)'s bound
-    of dense (a fixed choice that loses the model is no choice), and ``method``'s time against it."""
+    """Context beside target (b), not a target: the static choices that ended outside target (a)'s bound of dense,
+    the fastest that kept it (compare's oracle: a fixed choice that loses the model is no choice), and ``method``'s
+    time against it."""
     by = {r["method"]: r for r in rows}
-    g, dense = by.get(method), by.get("none")
-    if g is None or dense is None:
+    g = by.get(method)
+    if g is None or "none" not in by:
         return None
-    kept = {r["method"]: r["time_to_dense_final_s"] for r in rows if r["method"].startswith(STATIC_PREFIXES)
-            and r["time_to_dense_final_s"] is not None and _within_bound(r, dense)}
-    lost = sorted(r["method"] for r in rows if r["method"].startswith(STATIC_PREFIXES)
-                  and _within_bound(r, dense) is False)
+    lost = sorted(r["method"] for r in rows if r["method"].startswith(STATIC_PREFIXES) and r["kept_accuracy"] is False)
     text = ("Context (not a target): static choices that ended outside that accuracy bound: "
             f"{', '.join(lost) or 'none'}; ")
-    if not kept:
+    best, tb = g.get("oracle_static"), g.get("oracle_time_s")
+    if best is None:
         return text + "no static choice both kept accuracy and reached the target."
-    best = min(kept, key=kept.get)
-    t, tb = g.get("time_to_dense_final_s"), kept[best]
+    t = g.get("time_to_dense_final_s")
     mine = f"{t / tb:.2f}x ({t:.1f} s against {tb:.1f} s)" if t is not None and tb else "not reached in every run"
     return text + f"the fastest that kept it: {best}; {'AdaptiveCompression()' if method == 'gravac' else method} " \
                   f"took {mine}."
