@@ -168,7 +168,6 @@ class _Bucket:
     """Float32 gradients of one step sent as one flat tensor, DDP's bucket (see the module's docstring)."""
 
     key: str  # the codec's key (its residual, its collectives' names, its agreement checks)
-    expected: int  # members in the layout: the bucket leaves when that many are in (else when synchronize begins)
     members: list[tuple[str, torch.Tensor]]  # (key, gradient) in arrival order
     places: dict[str, tuple[int, int, torch.Size]] | None = None  # key -> (offset, numel, shape) in the bucket
     ctx: Any = None  # the codec's context; None: sent dense (a bucket under min_compress_numel)
@@ -279,9 +278,9 @@ class TorchHookBase(metaclass=CompressionType):
             bucket_key, expected = place
             bucket = self._open.get(bucket_key)
             if bucket is None:
-                bucket = self._open[bucket_key] = _Bucket(bucket_key, expected, [])
+                bucket = self._open[bucket_key] = _Bucket(bucket_key, [])
             bucket.members.append((key, tensor))
-            if len(bucket.members) == expected:
+            if len(bucket.members) == expected:  # all in (else it leaves when synchronize() begins)
                 self._send_bucket(self._open.pop(bucket_key))
             return tensor.new_empty(0), _Member(bucket, key)
         ordinal = self._order.get(key)  # backward runs roughly in reverse registration order; else arrival order
@@ -392,9 +391,9 @@ class TorchHookBase(metaclass=CompressionType):
                      "the tensor goes through exactly, uncompressed (the object compresses its optimizer's "
                      "gradients; use hvd.Compression.fp16 to compress other tensors)", type(self).__name__)
 
-    def _bucket_layout(self, opt: Any) -> dict[str, tuple[int, int]]:
-        """DDP's buckets over this optimizer's float32 parameters (see the module's docstring): name -> (bucket,
-        members in it); the same on every rank (the session, the optimizer's op, the parameters' order and sizes).
+    def _bucket_layout(self, opt: Any) -> dict[str, tuple[str, int]]:
+        """DDP's buckets over this optimizer's float32 parameters (see the module's docstring): name -> (bucket's
+        key, members in it); the same on every rank (the session, the optimizer's op, the parameters' order and sizes).
         Empty (every gradient on its own) where buckets do not apply. Checks first, on every rank, that the ranks'
         parameters are alike (a bucket's shape would not tell)."""
         named = torch_named_parameters(opt)
