@@ -2,6 +2,7 @@
 
     python benchmarks/bench_crossover.py                      # about 5 minutes; needs root (netem)
     python benchmarks/bench_crossover.py --params 4000000 --batch 1024 --steps 20 --rate auto
+    python benchmarks/bench_crossover.py --local --params 25000000    # on this machine's GPU (docs/gpu.md)
 
 Set-up: ``benchmarks.netem.EmulatedCluster`` with 2 hosts joined by full-duplex links; each job's rank i
 runs on host i, and each emulated host's "device" is one CPU core: every rank on host i pins itself to
@@ -61,6 +62,8 @@ def build_model(params: int) -> Any:
 
 def pin_to_host_core() -> int:
     """Pin this rank to core ``cross_rank`` (its emulated host's device); return the core."""
+    if os.environ.get("BENCH_DEVICE") == "cuda":
+        return -1  # the shared device is the GPU: every rank keeps the whole CPU
     core = int(os.environ.get("HOROVOD_CROSS_RANK", "0")) % (os.cpu_count() or 1)
     os.sched_setaffinity(0, {core})
     return core
@@ -75,10 +78,12 @@ def worker(args: argparse.Namespace) -> None:
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model(args.params)
+    dev = os.environ.get("BENCH_DEVICE", "cpu")
+    model = build_model(args.params).to(dev)
     gen = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(args.batch, 1024, generator=gen)
-    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    x = torch.randn(args.batch, 1024, generator=gen).to(dev)
+    y = torch.randint(0, 10, (args.batch,), generator=gen).to(dev)
+    done = torch.cuda.synchronize if dev == "cuda" else (lambda: None)  # timestamps after the queued work ran
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.allreduce(torch.zeros(1), name="ready")
     ready = time.time()
@@ -92,31 +97,37 @@ def worker(args: argparse.Namespace) -> None:
         a = time.time()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        done()
         b = time.time()
         opt.synchronize()  # under crossover: release, wait for the allreduces, re-acquire
         c = time.time()
         with opt.skip_synchronize():
             opt.step()
+        done()
         rows.append((a, b, c, time.time()))
     if hvd.rank() == 0:
         Path(args.result).write_text(json.dumps({"ready": ready, "t0": t0, "rows": rows, "warmup": args.warmup}))
 
 
 def calibrate(args: argparse.Namespace) -> None:
-    """Compute time of one step on one pinned core, no Horovod (prints seconds)."""
-    os.sched_setaffinity(0, {0})
+    """Compute time of one step on one pinned core (or the GPU), no Horovod (prints seconds)."""
     import torch
 
+    dev = os.environ.get("BENCH_DEVICE", "cpu")
+    if dev == "cpu":
+        os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    model = build_model(args.params)
+    model = build_model(args.params).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
-    x, y = torch.randn(args.batch, 1024), torch.randint(0, 10, (args.batch,))
+    x, y = torch.randn(args.batch, 1024, device=dev), torch.randint(0, 10, (args.batch,), device=dev)
+    done = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     times = []
     for _ in range(6):
         t = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        done()
         times.append(time.perf_counter() - t)
     print(json.dumps({"compute_s": statistics.median(times[1:])}))
 
@@ -215,7 +226,9 @@ def _round_trip_here(cycles: int, pin: bool) -> dict[str, float]:
 
 def run_jobs(cluster: Any, args: argparse.Namespace, jobs: list[str], crossover: bool, workdir: Path,
              t0: float) -> dict[str, dict[str, Any]]:
-    """Run the named jobs at the same time on ``cluster``; return each job's rank-0 result."""
+    """Run the named jobs at the same time on ``cluster`` (None: on this machine); return each job's rank-0 result."""
+    import subprocess
+
     from . import netem
 
     out: dict[str, dict[str, Any]] = {}
@@ -236,12 +249,23 @@ def run_jobs(cluster: Any, args: argparse.Namespace, jobs: list[str], crossover:
         else:
             env["CROSSOVER_SCHED"] = "0"
         try:
-            res = netem.launch_horovod(cluster, 1, cmd, env=env, timeout=args.timeout)
+            if cluster is None:  # --local: as a user starts it, horovodrun on this machine
+                env["BENCH_DEVICE"] = args.device
+                if crossover:
+                    env["CROSSOVER_SCHED_DIR"] = str(workdir / "sched" / "local")
+                hvdrun = Path(sys.executable).with_name("horovodrun")
+                r = subprocess.run([str(hvdrun) if hvdrun.exists() else "horovodrun", "-np", "2", "--gloo", *cmd],
+                                   env={**os.environ, **env}, capture_output=True, text=True, timeout=args.timeout)
+                if r.returncode:
+                    errors.append(f"{name} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+                    return
+            else:
+                res = netem.launch_horovod(cluster, 1, cmd, env=env, timeout=args.timeout)
+                if any(r.returncode for r in res):
+                    errors.append(f"{name} failed:\n{netem.format_rank_output(res)}")
+                    return
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(f"{name}: {exc}")
-            return
-        if any(r.returncode for r in res):
-            errors.append(f"{name} failed:\n{netem.format_rank_output(res)}")
             return
         out[name] = json.loads(result.read_text())
 
@@ -259,7 +283,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=4_000_000, help="MLP parameters (default 4 M = 16 MB of gradients)")
-    p.add_argument("--batch", type=int, default=1024, help="batch per rank (default %(default)s)")
+    p.add_argument("--batch", type=int, default=None, help="batch per rank (default 1024; with --local on a GPU "
+                   "chosen so that compute per step is about communication per step)")
+    p.add_argument("--local", action="store_true", help="both jobs on this machine, each started by horovodrun -np 2 "
+                   "--gloo, on its GPU when it has one (all four ranks on cuda:0; gradients cross host memory over "
+                   "Gloo on loopback); no network emulation, no root needed")
     p.add_argument("--steps", type=int, default=20, help="measured steps per job (default %(default)s)")
     p.add_argument("--warmup", type=int, default=6, help="steps not measured (default %(default)s)")
     p.add_argument("--rate", default="auto",
@@ -298,10 +326,16 @@ def main() -> int:
 
     from . import netem
 
-    reason = netem.netem_unavailable_reason()
-    if reason:
-        print(f"bench_crossover: {reason}", file=sys.stderr)
-        return 2
+    args.device = "cpu"
+    if args.local:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        reason = netem.netem_unavailable_reason()
+        if reason:
+            print(f"bench_crossover: {reason}", file=sys.stderr)
+            return 2
     print("command:", " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]), flush=True)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start", flush=True)
     rtt = round_trip(args.rtt_cycles, pin=True)
@@ -310,16 +344,19 @@ def main() -> int:
           f"{rtt.get('p50_us', 0):.0f} us, p99 {rtt.get('p99_us', 0):.0f} us, max {rtt.get('max_us', 0):.0f} us; "
           f"unpinned: p50 {rtt_x.get('p50_us', 0):.0f} us, p99 {rtt_x.get('p99_us', 0):.0f} us "
           f"({rtt.get('cycles', 0)} cycles each)", flush=True)
+    if args.batch is None:
+        args.batch = local_batch(args) if args.local and args.device == "cuda" else 1024
     cal = json.loads(subprocess.run([sys.executable, __file__, "--calibrate", "--params", str(args.params),
-                                     "--batch", str(args.batch)], capture_output=True, text=True,
-                                    check=True).stdout.strip().splitlines()[-1])
+                                     "--batch", str(args.batch)], capture_output=True, text=True, check=True,
+                                    env={**os.environ, "BENCH_DEVICE": args.device}).stdout.strip().splitlines()[-1])
     grad_bits = 8 * 4 * args.params
-    rate = args.rate
+    rate = "loopback (no emulation)" if args.local else args.rate
     if rate == "auto":  # a 2-rank ring allreduce moves every gradient byte once each way, at ~88% of the rate
         rate = f"{max(10, round(grad_bits / (0.88 * cal['compute_s']) / 1e6))}mbit"
     cycle = "Horovod's default" if args.cycle_time_ms is None else f"{args.cycle_time_ms:g} ms"
+    where = "on the GPU" if args.device == "cuda" else "on one core"
     print(f"model: {args.params / 1e6:.1f} M parameters, batch {args.batch}; calibrated compute "
-          f"{cal['compute_s'] * 1e3:.0f} ms/step on one core; link {rate} each way; "
+          f"{cal['compute_s'] * 1e3:.0f} ms/step {where}; link {rate} each way; "
           f"HOROVOD_CYCLE_TIME {cycle} (all modes)", flush=True)
 
     results: dict[str, Any] = {"command": " ".join(sys.argv), "rate": rate, "rtt": rtt, "rtt_unpinned": rtt_x,
@@ -329,7 +366,8 @@ def main() -> int:
     if keep:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     workdir = contextlib.nullcontext(args.workdir) if keep else tempfile.TemporaryDirectory(prefix="xo-bench-")
-    with workdir as tmp, netem.EmulatedCluster(2, rate) as cluster:
+    cluster_cm = contextlib.nullcontext(None) if args.local else netem.EmulatedCluster(2, rate)
+    with workdir as tmp, cluster_cm as cluster:
         startup = [20.0]
         for rep in range(args.repeat):
             for mode in modes:  # interleaved, so that drift in the machine's load hits every mode alike
@@ -345,13 +383,27 @@ def main() -> int:
     return 0
 
 
+def local_batch(args: argparse.Namespace, trial: int = 1024) -> int:
+    """Batch per rank at which one job alone computes about as long as it waits on its allreduce (--local, GPU)."""
+    with tempfile.TemporaryDirectory(prefix="xo-probe-") as tmp:
+        probe = argparse.Namespace(**{**vars(args), "batch": trial, "steps": 6, "warmup": 3})
+        res = run_jobs(None, probe, ["probe"], False, Path(tmp), 0.0)["probe"]
+    _, steps = job_window(res)
+    c = statistics.median(x["compute"] for x in steps)
+    m = statistics.median(x["sync"] for x in steps)
+    batch = max(64, min(65536, round(trial * m / max(c, 1e-6) / 64) * 64))
+    print(f"batch probe at {trial}: compute {c * 1e3:.1f} ms, communication {m * 1e3:.1f} ms per step -> "
+          f"batch {batch}", flush=True)
+    return batch
+
+
 def measure(cluster: Any, args: argparse.Namespace, mode: str, work: Path, meter: CpuMeter,
             startup: list[float]) -> dict[str, Any]:
     """Run one mode once; return its figures."""
     from crossover.scheduler import telemetry
 
     (work / "sched").mkdir(parents=True)
-    for h in cluster.hosts:
+    for h in cluster.hosts if cluster is not None else ["local"]:
         (work / "sched" / h).mkdir(mode=0o700)
     meter.start()
     launched = time.time()

@@ -22,10 +22,13 @@ Stages (each writes what it saw; a failing stage does not stop the next):
   every compression object). The build has CUDA support and uses NCCL for alltoall only, so
   CUDA tensors' allreduce, allgather and broadcast go through host memory over Gloo: two ranks can
   share one GPU, which NCCL refuses.
+* ``crossover`` (needs the ``horovod`` stage): ``benchmarks/bench_crossover.py --local``, two 2-rank Horovod
+  jobs whose four ranks share the one GPU, one after the other, at once uncoordinated and at once under the
+  crossover scheduler; into crossover.txt and crossover.json. Earlier stages leave it CROSSOVER_S seconds.
 
 Files written under OUT: summary.md, results.json, tests.txt, bench_gpu.txt, bench_gpu.json,
-profile.txt, horovod.txt. ``--deadline`` (seconds from the start) stops the build and skips stages
-that would start after it, so that the command ends inside a time limit.
+profile.txt, horovod.txt, crossover.txt, crossover.json. ``--deadline`` (seconds from the start) stops the build
+and skips stages that would start after it, so that the command ends inside a time limit.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("env", "tests", "bench", "profile", "horovod")
+STAGES = ("env", "tests", "bench", "profile", "horovod", "crossover")
+CROSSOVER_S = 260  # the crossover stage: batch probe, calibration, 3 modes x 2 runs of 2 jobs (~200 s on an H200)
 TEST_GROUPS = ("cuda_unit", "ddp_one_gpu", "ddp_diagnosis")
 T0 = time.monotonic()
 
@@ -300,8 +304,22 @@ def start_horovod_build(outdir: Path, sdist: Path, work: Path, cpu: str, jobs: i
     return proc, info
 
 
+def stage_crossover(outdir: Path, deadline: float) -> dict[str, Any]:
+    left = deadline - elapsed()
+    if left < 120:
+        return {"rc": "skipped: deadline"}
+    log("crossover: two 2-rank jobs on the one GPU (sequential, uncoordinated, crossover)")
+    r = run([sys.executable, "benchmarks/bench_crossover.py", "--local", "--params", "25000000", "--repeat", "2",
+             "--steps", "20", "--warmup", "5", "--rtt-cycles", "1000", "--timeout", str(int(left / 4)),
+             "--json", str(outdir / "crossover.json")], outdir / "crossover.txt", left - 5)
+    if (outdir / "crossover.json").is_file():
+        runs = json.loads((outdir / "crossover.json").read_text())["runs"]
+        r["aggregate_steps_per_s"] = {m: [round(e["aggregate_steps_per_s"], 3) for e in v] for m, v in runs.items()}
+    return r
+
+
 def finish_horovod(proc: subprocess.Popen | None, info: dict[str, Any], outdir: Path, deadline: float,
-                   cpu: str) -> dict[str, Any]:
+                   cpu: str, hvd_tests: bool = True) -> dict[str, Any]:
     if proc is None:
         return info
     left = deadline - elapsed()
@@ -323,7 +341,7 @@ def finish_horovod(proc: subprocess.Popen | None, info: dict[str, Any], outdir: 
     info["check_build"] = run([str(hvdrun) if hvdrun.exists() else "horovodrun", "--check-build"],
                               outdir / "horovod.txt", 60)
     left = deadline - elapsed()
-    if left > 45:
+    if hvd_tests and left > 45:
         r = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/hvd/test_cuda_hvd.py"],
                 outdir / "horovod.txt", left - 15, cores=cpu)
         r["summary"] = next((ln for ln in reversed(r["tail"]) if re.search(r"passed|failed|error|skipped", ln)), "")
@@ -351,6 +369,10 @@ def write_summary(outdir: Path, results: dict[str, Any]) -> None:
         lines += [f"* {k}: {v}" for k, v in bench["rows"].items()]
         lines += ["", f"target met: {bench.get('target_pass')}; 25 M selection equal to the CPU's: "
                       f"{bench.get('full_size_selection_equal')}", ""]
+    xo = results.get("crossover", {})
+    if xo:
+        lines += ["## crossover (aggregate steps/s of two jobs on one GPU)", "", "```", json.dumps(xo, indent=1),
+                  "```", ""]
     hv = results.get("horovod", {})
     if hv:
         lines += ["## horovod", "", "```", json.dumps(hv, indent=1)[:6000], "```", ""]
@@ -399,15 +421,22 @@ def main() -> int:
             except Exception as e:  # keep going: the other stages say more
                 results["env"] = {"error": f"{type(e).__name__}: {e}"}
             log(json.dumps(results["env"]))
+        before = args.deadline - (CROSSOVER_S if "crossover" in stages else 0)  # what the stages below may use
         if "tests" in stages:
-            results["tests"] = stage_tests(outdir / "tests.txt", args.deadline, test_cpu,
-                                           args.test_groups.split(","))
+            results["tests"] = stage_tests(outdir / "tests.txt", before, test_cpu, args.test_groups.split(","))
         if "bench" in stages:
-            results["bench"] = stage_bench(outdir, args.deadline, test_cpu)
+            results["bench"] = stage_bench(outdir, before, test_cpu)
         if "profile" in stages:
-            results["profile"] = stage_profile(outdir, args.deadline, test_cpu)
+            results["profile"] = stage_profile(outdir, before, test_cpu)
         if "horovod" in stages:
-            results["horovod"] = finish_horovod(proc, hinfo, outdir, args.deadline, test_cpu)
+            # crossover next: the build may run until `before`, and tests/hvd/test_cuda_hvd.py is left out
+            xo = "crossover" in stages
+            results["horovod"] = finish_horovod(proc, hinfo, outdir, before + (90 if xo else 0), test_cpu, not xo)
+        if "crossover" in stages:
+            if results.get("horovod", {}).get("build_rc") == 0:
+                results["crossover"] = stage_crossover(outdir, args.deadline)
+            else:
+                results["crossover"] = {"rc": "skipped: no Horovod (the horovod stage builds it)"}
     finally:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

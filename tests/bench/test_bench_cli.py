@@ -582,3 +582,23 @@ def test_bench_ddp_checks_46c_against_the_best_powersgd_rank_that_reached_the_ta
     table = bench_ddp.format_table(summary)
     assert "each method its own job" in table and "powersgd1@2 | failed (1)" in table
     assert "| DDP adaptive_hook, defaults | 3 |" in table and "powersgd 10" in table and "| FAIL |" in table
+
+
+def test_bench_crossover_on_this_machine(tmp_path: Path) -> None:
+    """benchmarks/bench_crossover.py --local (the GPU check's crossover stage): two horovodrun jobs, one after the
+    other and under the scheduler, both train every step and the scheduler's telemetry shows both jobs' turns."""
+    out = tmp_path / "xo.json"
+    argv = ["--local", "--modes", "sequential,crossover", "--params", "100000", "--batch", "16", "--steps", "4",
+            "--warmup", "1", "--rtt-cycles", "50", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_crossover.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["rate"].startswith("loopback")
+    for mode in ("sequential", "crossover"):
+        (run,) = res["runs"][mode]
+        assert run["aggregate_steps_per_s"] > 0 and set(run["jobs"]) == {"jobA", "jobB"}
+    turns = res["runs"]["crossover"][0]["telemetry"]
+    assert {j: (t["workers"], t["steps"]) for j, t in turns["jobs"].items()} == {"jobA": (2, 5), "jobB": (2, 5)}
+    (device,) = turns["devices"].values()  # every rank on the one device ("cpu0": they pin to core 0 here)
+    assert device["jobs"] == ["jobA", "jobB"] and device["compute_collision_s"] == 0
