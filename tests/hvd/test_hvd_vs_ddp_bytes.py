@@ -1,4 +1,4 @@
-"""The Horovod path sends what the DDP hook sends at the same static CF (issue 43), in the same buckets.
+"""The Horovod path sends what the DDP hook sends at the same static CF (issue 43), except the small tensors.
 
 The same model (the issue's CNN: conv 32, conv 64, fc 1600-256, fc 256-10; tensors above and below the default
 `min_compress_numel`) trains a few steps from the same weights on the same batches, once with
@@ -7,6 +7,9 @@ DDP + `adaptive_hook` (`AdaptiveState(policy="static", cf=CF)`) in a 2-rank torc
 per step the collectives it hands to its framework and their bytes, and what the compression object says it sent
 (`stats()["bytes_sent"]`). On 2 ranks a ring allreduce of M bytes and an allgather of M bytes per rank both move M
 bytes through each worker, so the bytes handed to the collectives are the wire's payload bytes (no framing).
+The hook compresses every tensor of a bucket; the Horovod path sends tensors under `min_compress_numel` (biases,
+BatchNorm) dense, as DGC exempts them (compressed in buckets they cost ResNet-18 28 points: docs/compression.md),
+so it may send those tensors' dense bytes more than the hook, and no more.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ from ddp_harness import run_ddp
 from hvd_harness import run_function
 
 STEPS = 6
-BOUND = 1.0  # issue 43 allows 1.05x the hook's bytes per step; in the hook's buckets the Horovod path sends as many
+BOUND = 1.0  # issue 43 allows 1.05x the hook's bytes a step; for compressed tensors the Horovod path sends as many
 DIRECTORY = 32  # bytes a group's allgather adds per rank (its directory: crossover/compression/grouped.py)
+SMALL = 3210  # elements of the tensors under min_compress_numel (below): dense on the Horovod path
+SMALL_TENSORS = 6
 
 
 def _cnn() -> torch.nn.Module:
     """The issue's CNN on 28x28x1 inputs: 431 k parameters, of which conv1, every bias and fc2 (3 210 elements)
-    are below the default min_compress_numel (16 384), conv2 (18 432) and fc1 (409 600) above it; DDP's buckets
-    (and the Horovod path's): fc2 and fc1 (1.6 MB, past the 1 MiB first bucket), then the convolutions."""
+    are below the default min_compress_numel (16 384), conv2 (18 432) and fc1 (409 600) above it; DDP's buckets:
+    fc2 and fc1 (1.6 MB, past the 1 MiB first bucket), then the convolutions; the Horovod path's: fc1 alone, then
+    conv2 alone (each then on its own), the small tensors dense."""
     from torch import nn
 
     torch.manual_seed(0)
@@ -84,7 +90,6 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
 
     from crossover import StaticCompression
     from crossover.compression.wire import k_for
-    from horovod_ext._torch_host import BUCKET_KEY
 
     model = _cnn()
     comp = StaticCompression("topk", cf=cf)
@@ -107,15 +112,15 @@ def hvd_job(cf: float) -> list[dict[str, Any]]:
         if s:
             opt.step()
             return
-        # the first step: every gradient is the average of what each rank sent of its bucket (DDP's: reverse
-        # registration order cut at 1 MiB, a bucket flat in registration order), which error feedback tells: the
-        # bucket's gradient less the residual it kept
-        buckets = [params[4:], params[:4]]  # fc1 and fc2 (1.6 MB: the 1 MiB bucket), then the convolutions
-        grads = [torch.cat([p.grad.reshape(-1) for p in b]) for b in buckets]
+        # the first step: every compressed gradient is the average of what each rank sent of it, which error
+        # feedback tells: the gradient less the residual it kept; the small tensors: the plain average
+        large = {"7.weight": params[4], "3.weight": params[2]}  # fc1, then conv2
+        grads = [p.grad.reshape(-1).clone() for p in large.values()]
         opt.synchronize()
-        for i, (b, flat) in enumerate(zip(buckets, grads)):
-            key, = (k for k in comp.codec.memory.keys() if k.startswith(f"{BUCKET_KEY}{i:03d}["))
-            sent = flat - comp.codec.memory.get(key)
+        check["keys"] = sorted(comp.codec.memory.keys())
+        for i, ((key, par), flat) in enumerate(zip(large.items(), grads)):
+            b = [par]
+            sent = flat - comp.codec.memory.get(key).reshape(-1)
             want = hvd.allreduce(sent, op=hvd.Average, name=f"test.want.{i}")
             got = torch.cat([p.grad.reshape(-1) for p in b])
             check[str(i)] = dict(numel=flat.numel(), nonzero=int((sent != 0).sum()), k=k_for(flat.numel(), cf),
@@ -153,8 +158,10 @@ def ddp_job(cf: float) -> list[dict[str, Any]]:
 def test_horovod_sends_no_more_than_the_ddp_hook(cf: float) -> None:
     check, *hvd = run_function(hvd_job, np=2, args=(cf,), timeout=300)[0]
     ddp = run_ddp(ddp_job, world=2, args=(cf,), timeout=300)[0]
-    # every gradient went compressed in one of two buckets and decodes to the average of what the ranks sent
-    assert [check[i]["numel"] for i in ("0", "1")] == [412426, 18816], check
+    # fc1 and conv2 went compressed, each on its own (no bucket, no residual for a small tensor), and decode to the
+    # average of what the ranks sent
+    assert check["keys"] == ["3.weight", "7.weight"], check
+    assert [check[i]["numel"] for i in ("0", "1")] == [409600, 18432], check
     for i in ("0", "1"):
         assert 0 < check[i]["nonzero"] <= check[i]["k"], check
         assert check[i]["err"] <= 1e-6 * check[i]["scale"], check
@@ -162,13 +169,13 @@ def test_horovod_sends_no_more_than_the_ddp_hook(cf: float) -> None:
     for s in range(1, STEPS):
         h, d = hvd[s], ddp[s]
         assert d["sent"] > 0 and d["bytes"] > 0, d
-        assert h["sent"] <= BOUND * d["sent"], (
+        assert h["sent"] <= BOUND * d["sent"] + 4 * SMALL, (
             f"CF {cf:g}, step {s}: the Horovod path counted {h['sent']} bytes sent, the DDP hook {d['sent']} "
             f"({h['sent'] / d['sent']:.2f}x; bound {BOUND}x)\nhorovod {hvd}\nddp {ddp}")
-        assert h["bytes"] <= BOUND * d["bytes"] + DIRECTORY * h["calls"].get("allgather", 0), (
+        assert h["bytes"] <= BOUND * d["bytes"] + 4 * SMALL + DIRECTORY * h["calls"].get("allgather", 0), (
             f"CF {cf:g}, step {s}: {h['bytes']} bytes handed to Horovod's collectives, {d['bytes']} to the hook's "
             f"({h['bytes'] / d['bytes']:.4f}x; bound {BOUND}x and the groups' directories)\nhorovod {hvd}\nddp {ddp}")
-        # one allgather per compressed bucket, as the hook's, and as many collectives that move bytes (the others:
-        # Horovod's own allreduce of each member's empty tensor)
+        # one allgather per compressed tensor here, as the hook's per bucket, and as many collectives that move
+        # bytes, plus one per small tensor
         assert h["calls"].get("allgather", 0) == d["calls"].get("allgather", 0), (h, d)
-        assert h["calls"]["carrying"] == d["calls"]["carrying"], (s, hvd, ddp)
+        assert h["calls"]["carrying"] <= d["calls"]["carrying"] + SMALL_TENSORS, (s, hvd, ddp)
