@@ -171,7 +171,7 @@ class _Bucket:
     key: str  # the codec's key (its residual, its collectives' names, its agreement checks)
     members: list[tuple[str, torch.Tensor]]  # (key, gradient) in arrival order
     places: dict[str, tuple[int, int, torch.Size]] | None = None  # key -> (offset, numel, shape) in the bucket
-    ctx: Any = None  # the codec's context; None: sent dense (a bucket under min_compress_numel)
+    ctx: Any = None  # the codec's context, once encoded
     handle: Any = None  # the payload's allreduce
     out: torch.Tensor | None = None  # the decoded bucket
 
@@ -435,7 +435,7 @@ class TorchHookBase(metaclass=CompressionType):
             self._send_bucket(open_[key])
 
     def _send_bucket(self, bucket: _Bucket) -> None:
-        """Encode a bucket (its members are in) and start its reductions; dense under min_compress_numel."""
+        """Encode a bucket (its members are in: each of min_compress_numel elements) and start its reductions."""
         # the same layout on every rank: registration order (arrival order may differ), then names
         members = sorted(bucket.members, key=lambda m: (self._order.get(m[0], math.inf), m[0]))
         places, off = {}, 0
@@ -444,11 +444,6 @@ class TorchHookBase(metaclass=CompressionType):
             off += t.numel()
         bucket.places = places
         flat = torch.cat([t.reshape(-1) for _, t in members])
-        if flat.numel() < self.min_compress_numel:  # as the DDP hook: too small to pay for a codec
-            nbytes = flat.numel() * flat.element_size()
-            self.session.count(nbytes, nbytes)
-            bucket.handle = self.comm.inner.allreduce_async(flat, bucket.key)
-            return
         self.comm.note(-min(self._order.get(k, 0) for k, _ in members), flat.numel())
         payload, bucket.ctx = self._encode(bucket.key, flat)
         bucket.handle = self.comm.inner.allreduce_async(payload, bucket.key)
@@ -457,12 +452,7 @@ class TorchHookBase(metaclass=CompressionType):
         """A member's averaged gradient: its part of the bucket, decoded at the first member's decompress."""
         bucket = member.bucket
         if bucket.out is None:
-            reduced = self.comm.inner.wait(bucket.handle)
-            if bucket.ctx is None:
-                self._passed.append(finite_probe(reduced))
-                bucket.out = reduced
-            else:
-                bucket.out = self._decode(reduced, bucket.ctx).reshape(-1)
+            bucket.out = self._decode(self.comm.inner.wait(bucket.handle), bucket.ctx).reshape(-1)
         off, n, shape = bucket.places[member.key]
         return bucket.out[off:off + n].view(shape)
 
